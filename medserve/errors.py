@@ -1,0 +1,25 @@
+"""Errors raised at medserve's input boundaries.
+
+Every error names the offending file, field or rule and says what was expected, so that the CLI can print it
+as one line and the server can return it as a 4xx JSON body.
+"""
+
+
+class MedserveError(Exception):
+    """Base class of every error a user can cause with bad input."""
+
+
+class DicomInputError(MedserveError):
+    """The DICOM input (folder, file, series) cannot be used."""
+
+
+class SelectionError(MedserveError):
+    """No series matched the selection rules, or the rules are malformed."""
+
+
+class VolumeError(MedserveError):
+    """The selected series does not form a regular volume."""
+
+
+class BundleError(MedserveError):
+    """The MONAI bundle (layout, config, weights) cannot be loaded."""
