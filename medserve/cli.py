@@ -1,0 +1,46 @@
+"""The `medserve` command line: one entry point, sub-commands contributed by the front ends.
+
+Each command group is a module exposing `add_commands(subparsers)`, which registers its sub-commands with
+`set_defaults(handler=callable)`; a handler takes the parsed namespace and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from medserve.errors import MedserveError
+
+COMMAND_GROUPS: list[str] = [
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="medserve", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (repeatable)")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in COMMAND_GROUPS:
+        importlib.import_module(module_name).add_commands(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from medserve.logs import configure_logging
+
+    configure_logging(args.verbose)
+    try:
+        return int(args.handler(args) or 0)
+    except MedserveError as error:
+        logging.getLogger("medserve").debug("command failed", exc_info=True)
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
