@@ -23,3 +23,7 @@ class VolumeError(MedserveError):
 
 class BundleError(MedserveError):
     """The MONAI bundle (layout, config, weights) cannot be loaded."""
+
+
+class PackagingError(MedserveError):
+    """A MAP cannot be built, pushed, inspected or run (bad app dir, app.yaml, models, registry, engine)."""

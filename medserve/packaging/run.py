@@ -1,0 +1,152 @@
+"""`medserve run` and `medserve inspect`: read a MAP's manifests from the image and run it as
+`monai-deploy run` would (holoscan_cli/common/dockerutils.py docker_run), with podman or docker."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import posixpath
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from medserve.errors import PackagingError
+from medserve.packaging import engine, layout
+from medserve.packaging.manifest import requested_gpus
+
+logger = logging.getLogger("medserve.packaging.run")
+
+# Stack 32 MB: Holoscan warns (and deep graphs fail) below it. nofile/nproc: podman as root otherwise copies
+# the host's limits, which runc refuses to raise inside some CI sandboxes.
+ULIMITS = ("nofile=1024:1024", "nproc=1024:1024", "stack=33554432:33554432")
+
+
+def _tool_argv(tool: str, image: str, verb: str) -> list[str]:
+    # runc: crun/default runtimes fail to set up cgroups in some CI sandboxes; runc works everywhere we tried.
+    runtime = ["--runtime", "runc"] if tool == "podman" and shutil.which("runc") else []
+    argv = [*engine.base_command(tool), *runtime, verb]
+    if tool == "podman" and verb in {"create", "run", "pull"} and engine.is_loopback(engine.registry_host(image)):
+        argv.append("--tls-verify=false")  # plain-HTTP registry on loopback
+    return argv
+
+
+def read_manifests(image: str, tool: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """app.json and pkg.json, copied out of a created (never started) container, as the official runner does."""
+    container = engine.run([*_tool_argv(tool, image, "create"), image], f"reading manifests of {image}",
+                           timeout=600).stdout.strip().splitlines()[-1]
+    try:
+        with tempfile.TemporaryDirectory(prefix="medserve-manifest-") as temp:
+            manifests = []
+            for path in (layout.APP_MANIFEST_PATH, layout.PKG_MANIFEST_PATH):
+                target = Path(temp) / posixpath.basename(path)
+                engine.run([*engine.base_command(tool), "cp", f"{container}:{path}", str(target)],
+                           f"{image} is not a MAP: copying {path}")
+                try:
+                    manifests.append(json.loads(target.read_text()))
+                except json.JSONDecodeError as error:
+                    raise PackagingError(f"{image}: {path} is not valid JSON: {error}") from error
+    finally:
+        subprocess.run([*engine.base_command(tool), "rm", "-f", container], capture_output=True)
+    return manifests[0], manifests[1]
+
+
+def image_config(image: str, tool: str) -> dict[str, Any]:
+    out = engine.run([*engine.base_command(tool), "image", "inspect", image], f"inspecting {image}").stdout
+    return json.loads(out)[0]
+
+
+def inspect(image: str, engine_choice: str = "auto") -> dict[str, Any]:
+    tool = engine.pick(engine_choice, "podman")
+    app, pkg = read_manifests(image, tool)
+    config = image_config(image, tool)
+    labels = config.get("Labels") or config.get("Config", {}).get("Labels") or {}
+    return {"image": image, "id": config.get("Id"), "size": config.get("Size"), "labels": labels,
+            "app.json": app, "pkg.json": pkg}
+
+
+def host_gpu_count() -> int:
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    result = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return len(result.stdout.splitlines()) if result.returncode == 0 else 0
+
+
+@dataclass
+class RunRequest:
+    image: str
+    input: Path | None
+    output: Path | None
+    gpus: str | None = None  # "all", a count, or None: what pkg.json asks for
+    engine: str = "auto"
+    config: Path | None = None  # replaces the packaged app.yaml
+    extra_args: list[str] = field(default_factory=list)
+
+
+def _mapped(path: str, working_dir: str) -> str:
+    return path if posixpath.isabs(path) else posixpath.join(working_dir, path)
+
+
+def _gpu_args(tool: str, pkg: dict[str, Any], wanted: str | None) -> list[str]:
+    asked = requested_gpus(pkg)
+    available = host_gpu_count()
+    if wanted is None and asked == 0:
+        return []
+    if available == 0:
+        logger.warning("the package asks for %s GPU(s) and this host has none: running on CPU", wanted or asked)
+        return []
+    count = available if wanted == "all" else int(wanted or asked)
+    if count > available:
+        raise PackagingError(f"{count} GPU(s) requested, this host has {available}")
+    devices = ",".join(map(str, range(count)))
+    if tool == "docker":
+        return ["--gpus", "all" if count == available else f'"device={devices}"']
+    # podman: CDI devices (nvidia-ctk cdi generate writes /etc/cdi/nvidia.yaml)
+    return [arg for i in range(count) for arg in ("--device", f"nvidia.com/gpu={i}")]
+
+
+def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str, Any]) -> list[str]:
+    working_dir = app.get("workingDirectory") or layout.WORK_DIR
+    mapped_input = _mapped((app.get("input") or {}).get("path", layout.INPUT_DIR), working_dir)
+    mapped_output = _mapped((app.get("output") or {}).get("path", layout.OUTPUT_DIR), working_dir)
+    environment = {"HOLOSCAN_HOSTING_SERVICE": "HOLOSCAN_RUN", "NVIDIA_DRIVER_CAPABILITIES": "all"}
+    for name, value in (app.get("environment") or {}).items():
+        environment[name] = {"HOLOSCAN_INPUT_PATH": mapped_input,
+                             "HOLOSCAN_OUTPUT_PATH": mapped_output}.get(name, value)
+    argv = _tool_argv(tool, request.image, "run")
+    # --network none: a MAP reads and writes mounted folders only; podman's default network also needs
+    # bridge and firewall setup that CI sandboxes refuse.
+    argv += ["--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}", "-w", working_dir]
+    for limit in ULIMITS:
+        argv += ["--ulimit", limit]
+    shared = (pkg.get("resources") or {}).get("sharedMemory")
+    if shared:
+        argv += ["--shm-size", str(shared).replace("Gi", "g").replace("Mi", "m")]
+    if request.input is not None:
+        argv += ["-v", f"{request.input.resolve()}:{mapped_input}:ro"]
+    if request.output is not None:
+        argv += ["-v", f"{request.output.resolve()}:{mapped_output}"]
+    if request.config is not None:
+        argv += ["-v", f"{request.config.resolve()}:{environment.get('HOLOSCAN_CONFIG_PATH', layout.CONFIG_PATH)}:ro"]
+    for name, value in sorted(environment.items()):
+        argv += ["-e", f"{name}={value}"]
+    argv += _gpu_args(tool, pkg, request.gpus)
+    return [*argv, request.image, *request.extra_args]
+
+
+def run(request: RunRequest) -> int:
+    """Run the MAP in the foreground; returns the container's exit code."""
+    tool = engine.pick(request.engine, "podman")
+    if request.input is not None and not request.input.is_dir():
+        raise PackagingError(f"input folder not found: {request.input}")
+    if request.config is not None and not request.config.is_file():
+        raise PackagingError(f"--config {request.config}: not a file")
+    if request.output is not None:
+        request.output.mkdir(parents=True, exist_ok=True)
+    app, pkg = read_manifests(request.image, tool)
+    argv = run_argv(request, tool, app, pkg)
+    logger.info("running: %s", " ".join(argv))
+    return subprocess.run(argv).returncode
