@@ -14,6 +14,8 @@ import sys
 from medserve.errors import MedserveError
 
 COMMAND_GROUPS: list[str] = [
+    "medserve.server.commands",
+    "medserve.packaging.commands",
 ]
 
 

@@ -1,0 +1,147 @@
+"""`medserve push`: copy a MAP to any OCI registry with buildah (local store) or skopeo (Docker engine).
+
+Credentials come from the environment and reach the tool through an in-memory auth file (memfd), so they are
+never written to disk and never appear on a command line:
+  MEDSERVE_REGISTRY_USER / MEDSERVE_REGISTRY_PASSWORD  any registry
+  GHCR_USER / GHCR_TOKEN (or GITHUB_ACTOR / GITHUB_TOKEN in GitHub Actions)  ghcr.io
+Loopback registries (localhost, 127.0.0.0/8, ::1) are spoken to over plain HTTP without extra flags.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import re
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from medserve.errors import PackagingError
+from medserve.packaging import engine
+
+logger = logging.getLogger("medserve.packaging.registry")
+
+_UNREACHABLE = re.compile(r"connection refused|no such host|i/o timeout|network is unreachable|"
+                          r"connection reset|server gave HTTP response to HTTPS client|dial tcp", re.I)
+_UNAUTHORIZED = re.compile(r"unauthorized|authentication required|401|invalid username/password|denied", re.I)
+
+
+@dataclass(frozen=True)
+class Credentials:
+    username: str
+    password: str
+    source: str  # which environment variables they came from (for messages; never the values)
+
+
+def credentials_from_env(host: str, env: dict[str, str] | None = None) -> Credentials | None:
+    env = dict(os.environ) if env is None else env
+    if env.get("MEDSERVE_REGISTRY_USER") and env.get("MEDSERVE_REGISTRY_PASSWORD"):
+        return Credentials(env["MEDSERVE_REGISTRY_USER"], env["MEDSERVE_REGISTRY_PASSWORD"],
+                           "MEDSERVE_REGISTRY_USER/MEDSERVE_REGISTRY_PASSWORD")
+    if host == "ghcr.io":
+        for user_var, token_var in (("GHCR_USER", "GHCR_TOKEN"), ("GITHUB_ACTOR", "GITHUB_TOKEN")):
+            if env.get(user_var) and env.get(token_var):
+                return Credentials(env[user_var], env[token_var], f"{user_var}/{token_var}")
+    return None
+
+
+@contextmanager
+def auth_file(host: str, credentials: Credentials | None) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+    """(extra argv, fds to pass): an auth.json that lives in an anonymous memory file, not on disk."""
+    if credentials is None:
+        yield [], ()
+        return
+    token = base64.b64encode(f"{credentials.username}:{credentials.password}".encode()).decode()
+    fd = os.memfd_create("medserve-auth", 0)
+    try:
+        os.write(fd, json.dumps({"auths": {host: {"auth": token}}}).encode())
+        os.lseek(fd, 0, os.SEEK_SET)
+        yield ["--authfile", f"/proc/self/fd/{fd}"], (fd,)
+    finally:
+        os.close(fd)
+
+
+def _tls_args(host: str) -> list[str]:
+    return ["--tls-verify=false"] if engine.is_loopback(host) else []
+
+
+def _destination(reference: str) -> tuple[str, str]:
+    reference = reference.removeprefix("docker://")
+    host = engine.registry_host(reference)
+    if host is None:
+        raise PackagingError(f"push destination {reference!r} must name a registry: HOST[:PORT]/REPO:TAG")
+    return host, reference
+
+
+def _classify(error: subprocess.CompletedProcess, host: str, action: str,
+              credentials: Credentials | None) -> PackagingError:
+    text = (error.stderr or "") + (error.stdout or "")
+    last = " | ".join(text.strip().splitlines()[-3:])
+    if _UNAUTHORIZED.search(text):
+        who = f"credentials from {credentials.source}" if credentials else "no credentials (set MEDSERVE_REGISTRY_USER/_PASSWORD)"
+        return PackagingError(f"{action}: registry {host} rejected {who}: {last}")
+    if _UNREACHABLE.search(text):
+        return PackagingError(f"{action}: registry {host} is unreachable: {last}")
+    return PackagingError(f"{action} failed: {last}")
+
+
+def push(image: str, destination: str, engine_choice: str = "auto", timeout: float = 1800) -> str:
+    """Push `image` to `destination`; returns the manifest digest the registry now serves."""
+    host, reference = _destination(destination)
+    tool = engine.pick(engine_choice, "buildah")
+    credentials = credentials_from_env(host)
+    with tempfile.TemporaryDirectory(prefix="medserve-push-") as temp, auth_file(host, credentials) as (auth, fds):
+        digest_file = Path(temp) / "digest"
+        if tool == "docker":
+            # skopeo reads the engine's image directly; `docker login` would store the token on disk.
+            dest = [f"--dest-{flag.lstrip('-')}" if flag.startswith("--") else flag
+                    for flag in (*auth, *_tls_args(host))]
+            argv = ["skopeo", "copy", *dest, "--digestfile", str(digest_file),
+                    f"docker-daemon:{image}", f"docker://{reference}"]
+        else:
+            argv = [*engine.base_command("buildah"), "push", *auth, *_tls_args(host), "--digestfile",
+                    str(digest_file), image, f"docker://{reference}"]
+        logger.info("pushing %s to %s", image, reference)
+        try:
+            result = subprocess.run(argv, capture_output=True, text=True, pass_fds=fds, timeout=timeout)
+        except subprocess.TimeoutExpired as error:
+            raise PackagingError(f"pushing to {host}: no answer within {timeout:.0f} s") from error
+        if result.returncode != 0:
+            raise _classify(result, host, f"pushing {image} to {reference}", credentials)
+        digest = digest_file.read_text().strip()
+    logger.info("pushed %s@%s", reference, digest)
+    return digest
+
+
+def remote_digest(reference: str) -> str:
+    """The digest the registry serves for `reference` (skopeo inspect, no pull)."""
+    host, reference = _destination(reference)
+    credentials = credentials_from_env(host)
+    with auth_file(host, credentials) as (auth, fds):
+        argv = ["skopeo", "inspect", *auth, *_tls_args(host), "--format", "{{.Digest}}", f"docker://{reference}"]
+        result = subprocess.run(argv, capture_output=True, text=True, pass_fds=fds, timeout=300)
+    if result.returncode != 0:
+        raise _classify(result, host, f"inspecting {reference}", credentials)
+    return result.stdout.strip()
+
+
+def pull(reference: str, engine_choice: str = "auto") -> str:
+    """Pull into the local store (podman's, or the Docker engine's); returns the local image id."""
+    host, reference = _destination(reference)
+    tool = engine.pick(engine_choice, "podman")
+    credentials = credentials_from_env(host)
+    with auth_file(host, credentials) as (auth, fds):
+        if tool == "docker":
+            argv = ["docker", "pull", reference]
+            fds = ()
+        else:
+            argv = [*engine.base_command("podman"), "pull", "-q", *auth, *_tls_args(host), reference]
+        result = subprocess.run(argv, capture_output=True, text=True, pass_fds=fds, timeout=1800)
+    if result.returncode != 0:
+        raise _classify(result, host, f"pulling {reference}", credentials)
+    return result.stdout.strip().splitlines()[-1]
