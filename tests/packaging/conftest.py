@@ -1,0 +1,127 @@
+"""Real tools for the MAP tests: a base image built locally once (debootstrap + podman import, reused from the
+local store when already there), throwaway registries (Debian docker-registry on 127.0.0.1, free port), a wheel
+directory downloaded once with the host's pip configuration."""
+
+from __future__ import annotations
+
+import crypt  # bcrypt htpasswd lines for the registry (libxcrypt); deprecated but present on 3.11
+import hashlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from medserve.packaging import layout
+from medserve.packaging.base import build_base_image, image_exists
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS = ("buildah", "podman", "skopeo", "runc", "debootstrap", "docker-registry")
+
+
+def _missing_tools() -> list[str]:
+    return [tool for tool in TOOLS if shutil.which(tool) is None]
+
+
+@pytest.fixture(scope="session")
+def container_tools() -> None:
+    missing = _missing_tools()
+    if missing:
+        pytest.skip(f"MAP tests need {', '.join(missing)}: run `bash .ci/system-deps` (CI installs them)")
+
+
+@pytest.fixture(scope="session")
+def base_image(container_tools: None) -> str:
+    if not image_exists(layout.DEFAULT_BASE_IMAGE):
+        build_base_image(layout.DEFAULT_BASE_IMAGE)
+    return layout.DEFAULT_BASE_IMAGE
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+RegistryFactory = Callable[..., str]
+
+
+@pytest.fixture
+def registry(container_tools: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryFactory]:
+    """start(users={name: password}) -> '127.0.0.1:PORT', a plain-HTTP registry on loopback."""
+    processes: list[subprocess.Popen] = []
+
+    def start(users: dict[str, str] | None = None) -> str:
+        root = tmp_path_factory.mktemp("registry")
+        port = free_port()
+        auth = ""
+        if users:
+            lines = [f"{u}:{crypt.crypt(p, crypt.mksalt(crypt.METHOD_BLOWFISH))}" for u, p in users.items()]
+            (root / "htpasswd").write_text("\n".join(lines) + "\n")
+            auth = f"auth:\n  htpasswd:\n    realm: test\n    path: {root / 'htpasswd'}\n"
+        (root / "config.yml").write_text(
+            f"version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
+            f"http:\n  addr: 127.0.0.1:{port}\n{auth}"
+        )
+        log = open(root / "registry.log", "w")
+        process = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")], stdout=log,
+                                   stderr=subprocess.STDOUT)
+        processes.append(process)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1)
+                return f"127.0.0.1:{port}"
+            except urllib.error.HTTPError:  # 401 with auth on: it is up
+                return f"127.0.0.1:{port}"
+            except OSError:
+                if process.poll() is not None:
+                    raise RuntimeError(f"registry exited: {(root / 'registry.log').read_text()}")
+                time.sleep(0.1)
+        raise RuntimeError("registry did not start within 20 s")
+
+    yield start
+    for process in processes:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def wheel_dir_for() -> Callable[[Path], Path]:
+    """Wheels for a requirements file, downloaded once with the host's pip config (its local indexes too)."""
+    cache: dict[Path, Path] = {}
+
+    def get(requirements: Path) -> Path:
+        if requirements in cache:
+            return cache[requirements]
+        text = requirements.read_text() + "\nnvidia-cuda-runtime==13.0.*\n"
+        key = hashlib.sha256(text.encode()).hexdigest()[:12]
+        target = Path.home() / ".cache" / "medserve" / f"wheels-{key}"
+        if not (target / ".complete").exists():
+            target.mkdir(parents=True, exist_ok=True)
+            spec = target / "requirements.txt"
+            spec.write_text(text)
+            # The CPU variant: torch from the CPU wheel index (or the host's local CPU wheel).
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(target), "-r", str(spec),
+                            "--extra-index-url", "https://download.pytorch.org/whl/cpu"], check=True)
+            (target / ".complete").write_text("")
+        cache[requirements] = target
+        return target
+
+    return get
+
+
+def podman(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    from medserve.packaging.engine import base_command
+
+    return subprocess.run([*base_command("podman"), *args], capture_output=True, text=True, **kwargs)
+
+
+def remove_image(tag: str) -> None:
+    podman("rmi", "-f", tag)
