@@ -1,0 +1,240 @@
+"""The FastAPI application: `create_app(config)` wires the store, job queue, uploads, OIP and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import Depends, FastAPI, Request
+from starlette.background import BackgroundTask
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from medserve.errors import MedserveError
+from medserve.server import oip, uploads
+from medserve.server.auth import Authenticator, load_tokens, require
+from medserve.server.config import ServerConfig
+from medserve.server.errors import ApiError, api_error_handler, core_error_handler, from_core
+from medserve.server.inputs import InputSpec, parse_input
+from medserve.server.jobs import JobQueue
+from medserve.server.metrics import Metrics
+from medserve.server.runner import execute, pull
+from medserve.server.store import ModelStore, check_model_name
+from medserve.server.uploads import UploadStore
+
+log = logging.getLogger("medserve.server.app")
+
+MEDIA = {"seg": "application/dicom", "nifti": "application/gzip"}
+FILENAMES = {"seg": "seg.dcm", "nifti": "labels.nii.gz"}
+
+
+def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
+    """`?format=` / form field wins, then Accept, then the natural output of the input (SEG for DICOM)."""
+    fmt = request.query_params.get("format") or options.get("format")
+    if fmt is None:
+        accept = request.headers.get("accept", "").lower()
+        if "nifti" in accept or "application/gzip" in accept:
+            fmt = "nifti"
+        elif "application/dicom" in accept:
+            fmt = "seg"
+    fmt = fmt or ("nifti" if spec.kind == "nifti" else "seg")
+    if fmt not in MEDIA:
+        raise ApiError(400, "bad_format", f"format must be 'seg' or 'nifti', not {fmt!r}")
+    if fmt == "seg" and spec.kind == "nifti":
+        raise ApiError(406, "format_unavailable", "a NIfTI input can only produce a NIfTI label map")
+    return fmt
+
+
+def _truthy(value: Any) -> bool:
+    return value in (True, 1) or str(value).lower() in ("1", "true", "yes", "on")
+
+
+def create_app(config: ServerConfig) -> FastAPI:
+    for folder in (config.data_dir, config.uploads_dir, config.jobs_dir, config.tmp_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(config.tmp_dir, ignore_errors=True)  # sync-request scratch from a previous run
+    config.tmp_dir.mkdir(parents=True, exist_ok=True)
+    metrics = Metrics()
+    store = ModelStore(config, on_change=metrics.store_changed)
+    jobs = JobQueue(config, store, metrics)
+    metrics.watch_jobs(jobs.counts)
+    upload_store = UploadStore(config.uploads_dir, config.max_upload_bytes, config.upload_expiry_seconds)
+    auth = Authenticator(load_tokens(config.tokens_file))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store.start()
+        jobs.start()
+        sweeper = asyncio.create_task(_sweep(upload_store))
+        log.info("serving store %s, data in %s", config.store, config.data_dir)
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            jobs.stop()
+            store.stop()
+            jobs.close()
+
+    app = FastAPI(title="medserve", version="0.1.0", lifespan=lifespan,
+                  description="MONAI bundles served by folder name: DICOM in, DICOM SEG out.")
+    app.state.config, app.state.store, app.state.jobs = config, store, jobs
+    app.state.uploads, app.state.metrics, app.state.auth = upload_store, metrics, auth
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(MedserveError, core_error_handler)
+    app.include_router(uploads.router)
+    app.include_router(oip.router)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        ready = store.scanned.is_set()
+        models = {e.name: e.state for e in store.entries()}
+        return JSONResponse({"ready": ready, "models": models}, 200 if ready else 503)
+
+    @app.get("/metrics", tags=["health"])
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", tags=["models"], dependencies=[Depends(require("admin"))])
+    async def list_models() -> dict[str, Any]:
+        return {"models": [e.summary() for e in store.entries()]}
+
+    @app.get("/v1/models/{name:path}", tags=["models"], dependencies=[Depends(require("admin"))])
+    async def show_model(name: str) -> dict[str, Any]:
+        return store.entry(name).summary()
+
+    @app.post("/v1/models/{name:path}/load", tags=["models"], dependencies=[Depends(require("admin"))])
+    async def load_model(name: str) -> dict[str, Any]:
+        store.entry(name)
+        await anyio.to_thread.run_sync(store.predictor, name)
+        return store.entry(name).summary()
+
+    @app.post("/v1/models/{name:path}/unload", tags=["models"], dependencies=[Depends(require("admin"))])
+    async def unload_model(name: str) -> dict[str, Any]:
+        store.unload(name)
+        return store.entry(name).summary()
+
+    @app.post("/v1/models/{name:path}/infer", tags=["inference"], dependencies=[Depends(require("infer"))],
+              responses={200: {"content": {"application/dicom": {}, "application/gzip": {}}}})
+    async def infer(name: str, request: Request) -> Response:
+        """Synchronous study inference; the body is DICOM files (multipart), a zip, a NIfTI file, or JSON
+        `{"upload": ID}` / `{"study": UID, "series": UID}`. Returns the SEG (or NIfTI with ?format=nifti)."""
+        store.entry(name)  # unknown or malformed names fail before anything is read
+        work = config.tmp_dir / uuid.uuid4().hex
+        start = time.monotonic()
+        status = "500"
+        try:
+            spec, options = await parse_input(request, work / "input", config.max_upload_bytes)
+            fmt = choose_format(request, options, spec)
+            if spec.kind == "dicomweb":
+                spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)
+            outcome = await anyio.to_thread.run_sync(
+                lambda: execute(store, name, spec, work / "out", nifti=fmt == "nifti", bounded=True))
+            status = "200"
+        except ApiError as error:
+            status = str(error.status)
+            raise
+        except MedserveError as error:
+            api = from_core(error)
+            status = str(api.status)
+            raise api from error
+        finally:
+            metrics.requests.labels(name, "v1", status).inc()
+            if status != "200":
+                shutil.rmtree(work, ignore_errors=True)
+        metrics.latency.labels(name, "v1").observe(time.monotonic() - start)
+        metrics.queue.labels(name).observe(outcome.queued_s)
+        result = outcome.result
+        path = result.seg_path if fmt == "seg" else result.nifti_path
+        if path is None:
+            shutil.rmtree(work, ignore_errors=True)
+            raise ApiError(500, "no_output", f"the pipeline produced no {fmt} output")
+        headers = {"X-Medserve-Timings": json.dumps({k: round(v, 4) for k, v in outcome.timings.items()}),
+                   "X-Medserve-Segments": json.dumps(getattr(result, "segments", {}) or {}, default=int)}
+        for attr, header in (("study_uid", "X-Medserve-Study-UID"), ("series_uid", "X-Medserve-Series-UID")):
+            if getattr(result, attr, None):
+                headers[header] = str(getattr(result, attr))
+        return FileResponse(path, media_type=MEDIA[fmt], filename=FILENAMES[fmt], headers=headers,
+                            background=BackgroundTask(shutil.rmtree, work, True))
+
+    @app.post("/v1/jobs", tags=["jobs"], status_code=202, dependencies=[Depends(require("infer"))])
+    async def create_job(request: Request) -> JSONResponse:
+        """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
+        key = request.headers.get("idempotency-key")
+        model = request.query_params.get("model")
+        if key:
+            existing = jobs.find_idempotent(key)
+            if existing is not None:
+                if model and existing["model"] != model:
+                    raise ApiError(409, "idempotency_conflict",
+                                   f"Idempotency-Key was used for a job on {existing['model']!r}")
+                return JSONResponse(existing, 200, headers={"Location": f"/v1/jobs/{existing['id']}",
+                                                            "Idempotent-Replayed": "true"})
+        job_id = jobs.new_id()
+        folder = jobs.job_dir(job_id)
+        try:
+            spec, options = await parse_input(request, folder / "input", config.max_upload_bytes)
+            model = model or options.get("model") or await _json_field(request, "model")
+            if not model:
+                raise ApiError(400, "no_model", "name the model: POST /v1/jobs?model=NAME")
+            check_model_name(model)
+            store.entry(model)
+            writeback = _truthy(request.query_params.get("writeback", options.get("writeback", False)))
+            if writeback and spec.kind != "dicomweb":
+                raise ApiError(400, "writeback_needs_dicomweb", "writeback only applies to DICOMweb inputs")
+            job = jobs.submit(job_id, model, spec, writeback, key)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return JSONResponse(job, 202, headers={"Location": f"/v1/jobs/{job_id}"})
+
+    @app.get("/v1/jobs", tags=["jobs"], dependencies=[Depends(require("infer"))])
+    async def list_jobs(state: str | None = None, limit: int = 100) -> dict[str, Any]:
+        return {"jobs": jobs.list(state, min(max(limit, 1), 1000))}
+
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], dependencies=[Depends(require("infer"))])
+    async def get_job(job_id: str) -> dict[str, Any]:
+        return jobs.get(job_id)
+
+    @app.get("/v1/jobs/{job_id}/result", tags=["jobs"], dependencies=[Depends(require("infer"))])
+    async def job_result(job_id: str, request: Request, format: str | None = None) -> FileResponse:
+        if format is None:
+            accept = request.headers.get("accept", "").lower()
+            format = "nifti" if ("nifti" in accept or "gzip" in accept) else None
+        path, fmt = jobs.result_path(job_id, format)
+        return FileResponse(path, media_type=MEDIA[fmt], filename=FILENAMES[fmt])
+
+    @app.delete("/v1/jobs/{job_id}", tags=["jobs"], dependencies=[Depends(require("infer"))])
+    async def cancel_job(job_id: str) -> dict[str, Any]:
+        return jobs.cancel(job_id)
+
+    return app
+
+
+async def _json_field(request: Request, field: str) -> Any:
+    if request.headers.get("content-type", "").startswith("application/json"):
+        with contextlib.suppress(ValueError):
+            body = await request.json()
+            return body.get(field) if isinstance(body, dict) else None
+    return None
+
+
+async def _sweep(upload_store: UploadStore) -> None:
+    """Expired tus uploads go away in the background (the expiration extension)."""
+    while True:
+        await asyncio.sleep(60)
+        with contextlib.suppress(Exception):
+            gone = await anyio.to_thread.run_sync(upload_store.sweep)
+            if gone:
+                log.info("removed %d expired uploads", gone)

@@ -1,0 +1,224 @@
+"""`medserve serve | infer | models | jobs | job`: the server and its command-line client."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from medserve.server.config import ServerConfig, is_loopback
+
+log = logging.getLogger("medserve.server.commands")
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the model server on a bundle store")
+    serve.add_argument("--store", type=Path, default=Path("bundles"), help="bundle store folder (default bundles/)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--data-dir", type=Path, default=Path(".medserve"), help="jobs, uploads (default .medserve/)")
+    serve.add_argument("--tokens", type=Path, help="bearer tokens file: one 'TOKEN SCOPE[,SCOPE]' per line")
+    serve.add_argument("--insecure", action="store_true", help="allow a non-loopback address without tokens")
+    serve.add_argument("--max-models", type=int, help="keep at most this many models loaded (LRU eviction)")
+    serve.add_argument("--max-memory-mb", type=float, help="keep loaded models under this many MB (LRU eviction)")
+    serve.add_argument("--preload", action="append", default=[], metavar="NAME",
+                       help="load this model at start (repeatable; 'all' for every bundle)")
+    serve.add_argument("--concurrency", type=int, default=1, help="requests running at once per model")
+    serve.add_argument("--queue-size", type=int, default=16, help="requests waiting per model before 429")
+    serve.add_argument("--job-workers", type=int, default=1, help="threads running async jobs")
+    serve.add_argument("--dicomweb", help="DICOMweb root of the DICOM store that {study, series} inputs refer to")
+    serve.add_argument("--max-upload-mb", type=float, default=4096, help="largest accepted upload (default 4096)")
+    serve.add_argument("--stable-seconds", type=float, default=2.0,
+                       help="a bundle folder must be unchanged this long before it is loaded (default 2)")
+    serve.add_argument("--poll-interval", type=float, default=1.0, help="store scan interval in seconds")
+    serve.add_argument("--device", help="torch device for all models (default: the bundle's choice)")
+    serve.set_defaults(handler=serve_command)
+
+    infer = subparsers.add_parser("infer", help="run a model on a study through the server")
+    infer.add_argument("name", help="model (bundle folder name)")
+    infer.add_argument("study_dir", nargs="?", type=Path, help="folder of DICOM files to upload")
+    infer.add_argument("-o", "--output", type=Path, default=Path("output"), help="output folder (default output/)")
+    infer.add_argument("--study", help="Study Instance UID in the DICOM store (instead of STUDY_DIR)")
+    infer.add_argument("--series", help="Series Instance UID (with --study)")
+    infer.add_argument("--dicomweb", help="DICOMweb URL of the store holding --study (must be the server's)")
+    infer.add_argument("--writeback", action="store_true", help="STOW-RS the SEG back to the DICOM store")
+    infer.add_argument("--format", choices=("seg", "nifti"), default=None, help="result to download")
+    _client_args(infer)
+    infer.set_defaults(handler=infer_command)
+
+    models = subparsers.add_parser("models", help="list the server's models")
+    _client_args(models)
+    models.set_defaults(handler=models_command)
+
+    jobs = subparsers.add_parser("jobs", help="list recent jobs")
+    jobs.add_argument("--state", choices=("queued", "running", "succeeded", "failed", "cancelled"))
+    jobs.add_argument("--limit", type=int, default=50)
+    _client_args(jobs)
+    jobs.set_defaults(handler=jobs_command)
+
+    job = subparsers.add_parser("job", help="show one job")
+    job.add_argument("job_id")
+    job.add_argument("--cancel", action="store_true", help="cancel it")
+    _client_args(job)
+    job.set_defaults(handler=job_command)
+
+
+def _client_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=os.environ.get("MEDSERVE_URL", DEFAULT_URL),
+                        help=f"server URL (default $MEDSERVE_URL or {DEFAULT_URL})")
+    parser.add_argument("--token", default=os.environ.get("MEDSERVE_TOKEN"), help="bearer token ($MEDSERVE_TOKEN)")
+
+
+# ---- serve --------------------------------------------------------------------------------------------
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        store=args.store, data_dir=args.data_dir, host=args.host, port=args.port, tokens_file=args.tokens,
+        insecure=args.insecure, max_models=args.max_models,
+        max_memory_bytes=int(args.max_memory_mb * 1024**2) if args.max_memory_mb else None,
+        preload=args.preload, concurrency=args.concurrency, queue_size=args.queue_size,
+        job_workers=args.job_workers, dicomweb_url=args.dicomweb,
+        max_upload_bytes=int(args.max_upload_mb * 1024**2), stable_seconds=args.stable_seconds,
+        poll_interval=args.poll_interval, device=args.device)
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from medserve.server.app import create_app
+    from medserve.server.auth import load_tokens
+
+    config = config_from_args(args)
+    tokens = load_tokens(config.tokens_file)
+    if not tokens and not is_loopback(config.host) and not config.insecure:
+        print(f"error: refusing to listen on {config.host} without tokens (--tokens FILE or MEDSERVE_TOKENS); "
+              "pass --insecure to do it anyway", file=sys.stderr)
+        return 2
+    app = create_app(config)
+    print(f"medserve serving {config.store}/ on http://{config.host}:{config.port} (data in {config.data_dir}/)",
+          file=sys.stderr)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
+
+
+# ---- client commands ----------------------------------------------------------------------------------
+def infer_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from medserve.server.client import Client, ClientError, study_zip
+
+    console = Console(stderr=True)
+    client = Client(args.url, args.token)
+    if args.study_dir is None and not args.study:
+        raise ClientError("give a STUDY_DIR or --study UID")
+    if args.study_dir is not None:
+        if not args.study_dir.is_dir():
+            raise ClientError(f"{args.study_dir} is not a folder")
+        archive = study_zip(args.study_dir)
+        columns = (TextColumn("upload"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as bar:
+            task = bar.add_task("upload", total=archive.stat().st_size)
+            upload_id = client.upload(archive, lambda done, total: bar.update(task, completed=done))
+            bar.update(task, completed=archive.stat().st_size)
+        body: dict[str, Any] = {"upload": upload_id}
+        key = hashlib.sha256(f"{args.name}\0upload\0{upload_id}".encode()).hexdigest()
+    else:
+        body = {"study": args.study}
+        if args.series:
+            body["series"] = args.series
+        if args.dicomweb:
+            body["store"] = args.dicomweb
+        if args.writeback:
+            body["writeback"] = True
+        key = None  # a second run on a store reference is a new request (the study may have changed)
+    job = client.submit(args.name, body, key)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  console=console) as bar:
+        task = bar.add_task(f"job {job['id'][:8]}", total=1.0)
+
+        def show(update: dict[str, Any]) -> None:
+            bar.update(task, completed=update["progress"],
+                       description=f"job {update['id'][:8]} {update['state']}: {update.get('stage') or ''}")
+
+        job = client.wait(job["id"], show)
+    if job["state"] != "succeeded":
+        raise ClientError(f"job {job['id']} {job['state']}: {job.get('error')}")
+    fmt = args.format or ("seg" if "seg" in job["outputs"] else "nifti")
+    target = args.output / ("seg.dcm" if fmt == "seg" else "labels.nii.gz")
+    client.download(job["id"], target, fmt)
+    console.print(f"[green]done[/green] job {job['id']} -> {target}")
+    if job.get("segments"):
+        console.print("segments: " + ", ".join(f"{k}={v}" for k, v in job["segments"].items()))
+    print(target)
+    return 0
+
+
+def _mb(value: int | None) -> str:
+    return f"{value / 1024**2:.1f}" if value else "-"
+
+
+def models_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from medserve.server.client import Client
+
+    models = Client(args.url, args.token).get("/v1/models")["models"]
+    table = Table(title=f"models at {args.url}")
+    for column in ("name", "version", "state", "loaded", "device", "memory MB", "description / error"):
+        table.add_column(column)
+    for m in models:
+        table.add_row(m["name"], m["version"] or "-", m["state"], "yes" if m["loaded"] else "no",
+                      m["device"] or "-", _mb(m["memory_bytes"]), m["error"] or m["description"] or "")
+    Console().print(table)
+    return 0
+
+
+def jobs_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from medserve.server.client import Client
+
+    params = {"limit": args.limit, **({"state": args.state} if args.state else {})}
+    jobs = Client(args.url, args.token).get("/v1/jobs", **params)["jobs"]
+    table = Table(title=f"jobs at {args.url}")
+    for column in ("id", "model", "state", "progress", "created", "total s", "error"):
+        table.add_column(column)
+    for j in jobs:
+        total = j["timings"].get("total_s")
+        table.add_row(j["id"], j["model"], j["state"], f"{j['progress'] * 100:.0f}%", j["created"] or "",
+                      f"{total:.2f}" if total else "-", (j["error"] or "")[:60])
+    Console().print(table)
+    return 0
+
+
+def job_command(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from medserve.server.client import Client
+
+    client = Client(args.url, args.token)
+    if args.cancel:
+        response = client._check(client.http.delete(f"/v1/jobs/{args.job_id}"))
+        job = response.json()
+    else:
+        job = client.get(f"/v1/jobs/{args.job_id}")
+    table = Table(title=f"job {job['id']}", show_header=False)
+    table.add_column("field")
+    table.add_column("value")
+    for key in ("model", "state", "stage", "progress", "input", "created", "started", "finished", "attempts",
+                "outputs", "segments", "error", "result_url"):
+        value = job.get(key)
+        table.add_row(key, "-" if value in (None, [], {}) else str(value))
+    for key, value in job["timings"].items():
+        table.add_row(f"timing {key}", f"{value:.3f} s")
+    Console().print(table)
+    return 0

@@ -1,0 +1,163 @@
+"""DICOMweb client side: WADO-RS pulls streamed to disk part by part, STOW-RS write-back of the SEG.
+
+Failures map to HTTP statuses the sync endpoints return as-is: store unreachable -> 502, store too slow -> 504,
+study/series unknown to the store -> 404. `retryable` tells the job runner which ones to retry with backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import BinaryIO
+
+import httpx
+
+from medserve.server.errors import ApiError
+
+log = logging.getLogger("medserve.server.dicomweb")
+
+ACCEPT_DICOM = 'multipart/related; type="application/dicom"; transfer-syntax=*'
+
+
+class DicomWebError(ApiError):
+    def __init__(self, status: int, code: str, message: str, retryable: bool) -> None:
+        super().__init__(status, code, message)
+        self.retryable = retryable
+
+
+def _boundary(content_type: str) -> bytes:
+    for param in content_type.split(";")[1:]:
+        key, _, value = param.strip().partition("=")
+        if key.lower() == "boundary":
+            return value.strip('"').encode()
+    raise DicomWebError(502, "dicomweb_bad_response", f"store answered {content_type!r} without a boundary", False)
+
+
+def split_multipart(chunks: Iterable[bytes], boundary: bytes, open_part: Callable[[], BinaryIO]) -> int:
+    """Incremental multipart/related parser: writes each part's body to a new file from `open_part` while the
+    bytes arrive, holding at most one network chunk plus a delimiter in memory. Returns the number of parts."""
+    delim = b"\r\n--" + boundary
+    keep = len(delim) + 4
+    buf = b"\r\n"  # lets the first boundary (at the very start of the body) match `delim`
+    state, out, parts = "preamble", None, 0
+    for chunk in chunks:
+        buf += chunk
+        while True:
+            if state in ("preamble", "body"):
+                index = buf.find(delim)
+                if index < 0:
+                    if len(buf) > keep:
+                        if state == "body":
+                            out.write(buf[:-keep])
+                        buf = buf[-keep:]
+                    break
+                if state == "body":
+                    out.write(buf[:index])
+                    out.close()
+                    parts += 1
+                buf, state = buf[index + len(delim):], "delimiter"
+            if state == "delimiter":
+                if len(buf) < 2:
+                    break
+                if buf[:2] == b"--":
+                    return parts
+                eol = buf.find(b"\r\n")
+                if eol < 0:
+                    break
+                buf, state = buf[eol + 2:], "headers"
+            if state == "headers":
+                if buf.startswith(b"\r\n"):
+                    buf = buf[2:]
+                else:
+                    end = buf.find(b"\r\n\r\n")
+                    if end < 0:
+                        break
+                    buf = buf[end + 4:]
+                out, state = open_part(), "body"
+    if state == "body" and out is not None:
+        out.close()
+        raise DicomWebError(502, "dicomweb_truncated", "the store's response ended in the middle of an instance",
+                            True)
+    return parts
+
+
+class DicomWebClient:
+    def __init__(self, url: str, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+
+    def _fail(self, error: Exception, what: str) -> DicomWebError:
+        if isinstance(error, httpx.TimeoutException):
+            return DicomWebError(504, "dicomweb_timeout", f"DICOM store at {self.url} timed out during {what}", True)
+        return DicomWebError(502, "dicomweb_unreachable",
+                             f"DICOM store at {self.url} is unreachable during {what}: {error}", True)
+
+    def pull(self, study: str, series: str | None, dest: Path) -> int:
+        """WADO-RS retrieve of a series (or the whole study) into `dest/NNNNNN.dcm`; returns instance count."""
+        path = f"/studies/{study}" + (f"/series/{series}" if series else "")
+        dest.mkdir(parents=True, exist_ok=True)
+        counter = iter(range(10**9))
+
+        def open_part() -> BinaryIO:
+            return open(dest / f"{next(counter):06d}.dcm", "wb")
+
+        try:
+            with httpx.stream("GET", self.url + path, headers={"Accept": ACCEPT_DICOM}, timeout=self.timeout) as r:
+                if r.status_code == 404:
+                    raise DicomWebError(404, "not_in_store", f"{path} not found in the DICOM store", False)
+                if r.status_code >= 400:
+                    raise DicomWebError(502, "dicomweb_error", f"store answered {r.status_code} for {path}",
+                                        r.status_code >= 500)
+                count = split_multipart(r.iter_bytes(1024 * 1024), _boundary(r.headers.get("content-type", "")),
+                                        open_part)
+        except httpx.HTTPError as error:
+            raise self._fail(error, "retrieve") from error
+        if count == 0:
+            raise DicomWebError(404, "not_in_store", f"{path}: the store returned no instances", False)
+        log.info("pulled %d instances of %s", count, path)
+        return count
+
+    def store(self, files: list[Path]) -> dict:
+        """STOW-RS the files (the SEG) to the store; returns the store's JSON answer."""
+        boundary = uuid.uuid4().hex
+
+        def body() -> Iterable[bytes]:
+            for path in files:
+                yield f"--{boundary}\r\nContent-Type: application/dicom\r\n\r\n".encode()
+                with open(path, "rb") as handle:
+                    while block := handle.read(1024 * 1024):
+                        yield block
+                yield b"\r\n"
+            yield f"--{boundary}--\r\n".encode()
+
+        headers = {"Content-Type": f'multipart/related; type="application/dicom"; boundary={boundary}',
+                   "Accept": "application/dicom+json"}
+        try:
+            r = httpx.post(self.url + "/studies", content=body(), headers=headers, timeout=self.timeout)
+        except httpx.HTTPError as error:
+            raise self._fail(error, "store") from error
+        if r.status_code >= 400:
+            raise DicomWebError(502, "dicomweb_store_failed", f"STOW-RS answered {r.status_code}: {r.text[:200]}",
+                                r.status_code >= 500)
+        try:
+            return r.json()
+        except ValueError:
+            return {}
+
+
+def with_retries(action: Callable[[], object], retries: int, backoff: float,
+                 on_retry: Callable[[int, Exception], None] | None = None) -> object:
+    """Run `action`, retrying retryable DICOMweb failures with exponential backoff (jobs only)."""
+    for attempt in range(retries + 1):
+        try:
+            return action()
+        except DicomWebError as error:
+            if not error.retryable or attempt == retries:
+                raise
+            if on_retry is not None:
+                on_retry(attempt + 1, error)
+            time.sleep(backoff * (2**attempt))
+    raise AssertionError("unreachable")

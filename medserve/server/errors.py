@@ -1,0 +1,54 @@
+"""HTTP errors as JSON: `{"error": CODE, "message": TEXT}` with the right status, for every failure a client
+can cause or meet (bad input, unknown model, full queue, DICOM store down)."""
+
+from __future__ import annotations
+
+import logging
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from medserve.errors import BundleError, DicomInputError, MedserveError, SelectionError, VolumeError
+
+log = logging.getLogger("medserve.server.errors")
+
+
+class ApiError(Exception):
+    """An error with a status, a stable machine-readable code and a human message."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.code, "message": self.message}, self.status, headers=self.headers)
+
+
+# Core errors are caused by the input (or by a bundle the operator dropped in); map each to a 4xx.
+_CORE_CODES: list[tuple[type[MedserveError], int, str]] = [
+    (DicomInputError, 400, "bad_dicom"),
+    (SelectionError, 422, "no_matching_series"),
+    (VolumeError, 422, "bad_volume"),
+    (BundleError, 409, "model_failed"),
+]
+
+
+def from_core(error: MedserveError) -> ApiError:
+    for kind, status, code in _CORE_CODES:
+        if isinstance(error, kind):
+            return ApiError(status, code, str(error))
+    return ApiError(400, "bad_input", str(error))
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return exc.response()
+
+
+async def core_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, MedserveError)
+    log.info("input error on %s: %s", request.url.path, exc)
+    return from_core(exc).response()

@@ -1,0 +1,247 @@
+"""Turning a request body into a study on disk: DICOM files, a zip of them, a NIfTI file, a finished tus upload
+or a DICOMweb reference. Every input is streamed to a folder of its own; nothing is parsed in memory."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import shutil
+import stat
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import anyio
+from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect, Request
+
+from medserve.server.errors import ApiError
+
+log = logging.getLogger("medserve.server.inputs")
+
+MAX_FORM_FILES = 100_000  # Starlette's default of 1000 is below the slice count of many CT series
+
+
+@dataclass
+class InputSpec:
+    """What to run on: `kind` is "dicom" (a folder), "nifti" (a file) or "dicomweb" (pulled later)."""
+
+    kind: str
+    path: Path | None = None
+    study: str | None = None
+    series: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": str(self.path) if self.path else None, "study": self.study,
+                "series": self.series}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InputSpec:
+        path = data.get("path")
+        return cls(data["kind"], Path(path) if path else None, data.get("study"), data.get("series"))
+
+
+def sniff(path: Path) -> str:
+    """"zip", "nifti", "dicom" or "unknown", from the first bytes (never from the name alone)."""
+    with open(path, "rb") as handle:
+        head = handle.read(352)
+    if head[:4] == b"PK\x03\x04" or head[:4] == b"PK\x05\x06":
+        return "zip"
+    if len(head) >= 132 and head[128:132] == b"DICM":
+        return "dicom"
+    if len(head) >= 348 and head[344:348] in (b"n+1\x00", b"ni1\x00"):
+        return "nifti"
+    if head[:2] == b"\x1f\x8b":
+        try:
+            with gzip.open(path, "rb") as handle:
+                inner = handle.read(348)
+        except (OSError, EOFError):
+            return "unknown"
+        if len(inner) >= 348 and inner[344:348] in (b"n+1\x00", b"ni1\x00"):
+            return "nifti"
+    return "unknown"
+
+
+def _safe_member(name: str) -> PurePosixPath | None:
+    """The relative path of a zip member, or None for members that would escape the target folder."""
+    normalised = name.replace("\\", "/")
+    if normalised.startswith("/") or (len(normalised) > 1 and normalised[1] == ":"):
+        return None
+    parts = PurePosixPath(normalised).parts
+    if any(part == ".." for part in parts):
+        return None
+    return PurePosixPath(*[p for p in parts if p not in ("", ".")]) if parts else PurePosixPath()
+
+
+def extract_zip(archive: Path, dest: Path, max_bytes: int) -> int:
+    """Extract a zip of DICOM files to `dest`, refusing members that escape it (zip slip), symlinks and archives
+    that expand past `max_bytes`. Returns the number of files extracted."""
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        zf = zipfile.ZipFile(archive)
+    except zipfile.BadZipFile as error:
+        raise ApiError(400, "bad_zip", f"not a readable zip file: {error}") from error
+    with zf:
+        members = zf.infolist()
+        for info in members:
+            if _safe_member(info.filename) is None:
+                raise ApiError(400, "zip_slip", f"zip member {info.filename!r} points outside the study folder")
+            if stat.S_ISLNK(info.external_attr >> 16):
+                raise ApiError(400, "zip_slip", f"zip member {info.filename!r} is a symbolic link")
+        if sum(i.file_size for i in members) > max_bytes:
+            raise ApiError(413, "zip_too_large", f"zip expands past the limit of {max_bytes} bytes")
+        count = 0
+        for info in members:
+            rel = _safe_member(info.filename)
+            if info.is_dir() or rel is None or not rel.parts or rel.parts[0] == "__MACOSX":
+                continue
+            target = dest.joinpath(*rel.parts)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                with zf.open(info) as src, open(target, "wb") as out:
+                    shutil.copyfileobj(src, out, 1024 * 1024)
+            except (zipfile.BadZipFile, EOFError, OSError) as error:  # CRC error, truncated archive
+                raise ApiError(400, "bad_zip", f"zip member {info.filename!r} is damaged: {error}") from error
+            count += 1
+    if count == 0:
+        raise ApiError(400, "empty_input", "the zip holds no files")
+    return count
+
+
+def _check_dicom_folder(folder: Path) -> None:
+    """Every file must at least look like DICOM; the core reports the finer problems (truncation, geometry)."""
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    if not files:
+        raise ApiError(400, "empty_input", "no files were sent")
+    for path in files:
+        if sniff(path) != "dicom":
+            rel = path.relative_to(folder)
+            raise ApiError(400, "not_dicom", f"{rel} is not a DICOM file (no 'DICM' marker at byte 128)")
+
+
+def stage_file(path: Path, dest: Path, max_bytes: int, link: bool = False) -> InputSpec:
+    """A single received file (tus upload or raw body) -> InputSpec, by content."""
+    kind = sniff(path)
+    dest.mkdir(parents=True, exist_ok=True)
+    if kind == "zip":
+        extract_zip(path, dest / "dicom", max_bytes)
+        _check_dicom_folder(dest / "dicom")
+        return InputSpec("dicom", dest / "dicom")
+    if kind == "nifti":
+        suffix = ".nii.gz" if open(path, "rb").read(2) == b"\x1f\x8b" else ".nii"
+        target = dest / f"input{suffix}"
+        _place(path, target, link)
+        return InputSpec("nifti", target)
+    if kind == "dicom":
+        (dest / "dicom").mkdir(exist_ok=True)
+        _place(path, dest / "dicom" / "0000.dcm", link)
+        return InputSpec("dicom", dest / "dicom")
+    raise ApiError(400, "unsupported_input", "the input is neither DICOM, a zip of DICOM files nor NIfTI")
+
+
+def _place(src: Path, dst: Path, link: bool) -> None:
+    """Hard-link when asked (tus uploads: no copy, and the job keeps its input even if the upload expires)."""
+    if link:
+        try:
+            os.link(src, dst)
+            return
+        except OSError:
+            pass
+    shutil.copyfile(src, dst)
+
+
+async def _save_upload(part: UploadFile, target: Path) -> None:
+    def copy() -> None:
+        part.file.seek(0)
+        with open(target, "wb") as out:
+            shutil.copyfileobj(part.file, out, 1024 * 1024)
+
+    await anyio.to_thread.run_sync(copy)
+
+
+async def _save_body(request: Request, target: Path, max_bytes: int) -> None:
+    size = 0
+    try:
+        with open(target, "wb") as out:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise ApiError(413, "body_too_large", f"request body exceeds {max_bytes} bytes")
+                await anyio.to_thread.run_sync(out.write, chunk)
+    except ClientDisconnect as error:
+        raise ApiError(400, "truncated_body", "the client disconnected before the body was complete") from error
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) != size:
+        raise ApiError(400, "truncated_body", f"received {size} of {declared} declared bytes")
+
+
+async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[InputSpec, dict[str, Any]]:
+    """Read the request into `dest`; returns the input and the options found beside it (format, writeback)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    uploads = request.app.state.uploads
+    if content_type == "application/json":
+        try:
+            body = await request.json()
+        except ValueError as error:
+            raise ApiError(400, "bad_json", f"request body is not JSON: {error}") from error
+        if not isinstance(body, dict):
+            raise ApiError(400, "bad_json", "request body must be a JSON object")
+        options = {k: body[k] for k in ("format", "writeback", "model") if k in body}
+        if "upload" in body:
+            path = uploads.finished(str(body["upload"]))
+            spec = await anyio.to_thread.run_sync(stage_file, path, dest, max_bytes, True)
+            return spec, options
+        if "study" in body:
+            if not isinstance(body["study"], str) or not body["study"]:
+                raise ApiError(400, "bad_reference", "'study' must be a Study Instance UID string")
+            series = body.get("series")
+            if series is not None and not isinstance(series, str):
+                raise ApiError(400, "bad_reference", "'series' must be a Series Instance UID string")
+            configured = request.app.state.config.dicomweb_url
+            if not configured:
+                raise ApiError(400, "no_dicomweb", "this server has no DICOMweb store configured (--dicomweb)")
+            named = body.get("store")
+            if named and str(named).rstrip("/") != configured.rstrip("/"):
+                # Only the configured store is ever contacted: a client cannot make the server fetch any URL.
+                raise ApiError(400, "unknown_store", f"this server reads only from {configured}, not {named}")
+            return InputSpec("dicomweb", study=body["study"], series=series), options
+        raise ApiError(400, "bad_json", "expected {\"upload\": ID} or {\"study\": UID, \"series\": UID?}")
+    if content_type == "multipart/form-data":
+        try:
+            form = await request.form(max_files=MAX_FORM_FILES, max_fields=100)
+        except ClientDisconnect as error:
+            raise ApiError(400, "truncated_body", "the client disconnected during the upload") from error
+        except Exception as error:  # malformed multipart bodies surface as assorted parser errors
+            raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {error}") from error
+        try:
+            options = {k: v for k, v in form.items() if k in ("format", "writeback", "model") and isinstance(v, str)}
+            parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
+            if not parts:
+                raise ApiError(400, "empty_input", "the multipart body holds no files")
+            raw = dest / "parts"
+            raw.mkdir(exist_ok=True)
+            saved: list[Path] = []
+            for index, part in enumerate(parts):
+                target = raw / f"{index:06d}"
+                await _save_upload(part, target)
+                saved.append(target)
+        finally:
+            await form.close()
+        if len(saved) == 1 and sniff(saved[0]) in ("zip", "nifti"):
+            return await anyio.to_thread.run_sync(stage_file, saved[0], dest, max_bytes, True), options
+        for index, path in enumerate(saved):
+            if sniff(path) != "dicom":
+                name = parts[index].filename or f"part {index}"
+                raise ApiError(400, "not_dicom", f"{name} is not a DICOM file (no 'DICM' marker at byte 128)")
+        raw.rename(dest / "dicom")
+        return InputSpec("dicom", dest / "dicom"), options
+    if content_type in ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",
+                        "application/x-nifti"):
+        target = dest / "body"
+        await _save_body(request, target, max_bytes)
+        return await anyio.to_thread.run_sync(stage_file, target, dest, max_bytes, True), dict(request.query_params)
+    raise ApiError(415, "unsupported_media_type",
+                   "send multipart/form-data files, a zip/DICOM/NIfTI body, or JSON {upload} / {study, series}")

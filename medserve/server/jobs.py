@@ -1,0 +1,294 @@
+"""Async jobs: a SQLite queue under the data dir and worker threads that run them.
+
+Crash rule: results are written to `jobs/ID/result.tmp` and renamed to `jobs/ID/result` before the row says
+`succeeded`, so a finished job always has its files. On start, rows left `running` by a dead server are put
+back to `queued` (attempt counter kept) and run again; after `job_max_attempts` interrupted attempts a job is
+`failed` with the reason, so a job that crashes the server cannot crash it forever.
+Cancel: a queued job is cancelled at once; a running one is marked `cancelled`, its worker stops at the next
+stage boundary and drops whatever it produced (a forward pass in progress runs to its end).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from medserve.errors import MedserveError
+from medserve.server.config import ServerConfig
+from medserve.server.dicomweb import DicomWebClient, DicomWebError, with_retries
+from medserve.server.errors import ApiError
+from medserve.server.inputs import InputSpec
+from medserve.server.runner import execute, pull
+from medserve.server.store import ModelStore
+
+log = logging.getLogger("medserve.server.jobs")
+
+STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINAL = ("succeeded", "failed", "cancelled")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    state TEXT NOT NULL,
+    progress REAL NOT NULL DEFAULT 0,
+    stage TEXT,
+    input TEXT NOT NULL,
+    writeback INTEGER NOT NULL DEFAULT 0,
+    idempotency_key TEXT UNIQUE,
+    created REAL NOT NULL,
+    started REAL,
+    finished REAL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    timings TEXT,
+    segments TEXT,
+    outputs TEXT,
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, created);
+"""
+
+
+class Cancelled(Exception):
+    pass
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+class JobQueue:
+    """The jobs table plus the workers draining it."""
+
+    def __init__(self, config: ServerConfig, store: ModelStore, metrics: Any = None) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.root = config.jobs_dir
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(config.db_path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")  # durable against a killed process, cheap commits
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._workers: list[threading.Thread] = []
+        self.recover()
+
+    # ---- persistence -----------------------------------------------------------------------------------
+    def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def recover(self) -> None:
+        """Rows a killed server left `running`: rerun them, or fail them once they have used their attempts."""
+        failed = self._exec(
+            "UPDATE jobs SET state='failed', finished=?, stage='interrupted', error=? "
+            "WHERE state='running' AND attempts >= ? RETURNING id",
+            (time.time(), f"interrupted by a server crash or restart {self.config.job_max_attempts} times; "
+             "not retried again", self.config.job_max_attempts))
+        requeued = self._exec(
+            "UPDATE jobs SET state='queued', progress=0, stage='requeued after a server restart' "
+            "WHERE state='running' RETURNING id")
+        for row in requeued + failed:
+            shutil.rmtree(self.root / row["id"] / "result.tmp", ignore_errors=True)
+            shutil.rmtree(self.root / row["id"] / "work", ignore_errors=True)
+        if requeued or failed:
+            log.warning("recovered after restart: %d jobs requeued, %d failed", len(requeued), len(failed))
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.root / job_id
+
+    def new_id(self) -> str:
+        return uuid.uuid4().hex
+
+    def find_idempotent(self, key: str) -> dict[str, Any] | None:
+        rows = self._exec("SELECT * FROM jobs WHERE idempotency_key=?", (key,))
+        return self._public(rows[0]) if rows else None
+
+    def submit(self, job_id: str, model: str, spec: InputSpec, writeback: bool, key: str | None) -> dict[str, Any]:
+        try:
+            self._exec("INSERT INTO jobs (id, model, state, stage, input, writeback, idempotency_key, created) "
+                       "VALUES (?, ?, 'queued', 'queued', ?, ?, ?, ?)",
+                       (job_id, model, json.dumps(spec.to_json()), int(writeback), key, time.time()))
+        except sqlite3.IntegrityError as error:  # a concurrent request with the same Idempotency-Key won
+            shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+            existing = self.find_idempotent(key or "")
+            if existing is None:
+                raise
+            raise ApiError(409, "idempotency_conflict", "a job with this Idempotency-Key is being created") from error
+        with self._wake:
+            self._wake.notify()
+        return self.get(job_id)
+
+    def _row(self, job_id: str) -> sqlite3.Row:
+        rows = self._exec("SELECT * FROM jobs WHERE id=?", (job_id,))
+        if not rows:
+            raise ApiError(404, "unknown_job", f"no job {job_id!r}")
+        return rows[0]
+
+    def get(self, job_id: str) -> dict[str, Any]:
+        return self._public(self._row(job_id))
+
+    def list(self, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        if state:
+            rows = self._exec("SELECT * FROM jobs WHERE state=? ORDER BY created DESC LIMIT ?", (state, limit))
+        else:
+            rows = self._exec("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,))
+        return [self._public(r) for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        return {r["state"]: r["n"] for r in self._exec("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")}
+
+    def _public(self, row: sqlite3.Row) -> dict[str, Any]:
+        spec = json.loads(row["input"])
+        source = {"type": spec["kind"]}
+        if spec["kind"] == "dicomweb" or spec.get("study"):
+            source.update(study=spec.get("study"), series=spec.get("series"))
+        outputs = json.loads(row["outputs"]) if row["outputs"] else {}
+        return {
+            "id": row["id"], "model": row["model"], "state": row["state"], "progress": round(row["progress"], 3),
+            "stage": row["stage"], "input": source, "writeback": bool(row["writeback"]),
+            "created": _iso(row["created"]), "started": _iso(row["started"]), "finished": _iso(row["finished"]),
+            "attempts": row["attempts"],
+            "timings": json.loads(row["timings"]) if row["timings"] else {},
+            "segments": json.loads(row["segments"]) if row["segments"] else None,
+            "outputs": sorted(outputs), "error": row["error"],
+            "result_url": f"/v1/jobs/{row['id']}/result" if row["state"] == "succeeded" else None,
+        }
+
+    def result_path(self, job_id: str, fmt: str | None) -> tuple[Path, str]:
+        row = self._row(job_id)
+        if row["state"] != "succeeded":
+            detail = f": {row['error']}" if row["error"] else ""
+            raise ApiError(409, "job_not_finished" if row["state"] not in FINAL else "job_has_no_result",
+                           f"job {job_id} is {row['state']}{detail}")
+        outputs: dict[str, str] = json.loads(row["outputs"] or "{}")
+        fmt = fmt or ("seg" if "seg" in outputs else "nifti")
+        if fmt not in outputs:
+            raise ApiError(406, "format_unavailable", f"job {job_id} has no {fmt} output (has {sorted(outputs)})")
+        return self.job_dir(job_id) / "result" / outputs[fmt], fmt
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        row = self._row(job_id)
+        if row["state"] in FINAL:
+            raise ApiError(409, "job_finished", f"job {job_id} is already {row['state']}")
+        self._exec("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', error='cancelled by request' "
+                   "WHERE id=? AND state IN ('queued', 'running')", (time.time(), job_id))
+        log.info("job %s cancelled (was %s)", job_id, row["state"])
+        return self.get(job_id)
+
+    # ---- workers ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        for index in range(max(1, self.config.job_workers)):
+            thread = threading.Thread(target=self._work, name=f"medserve-job-{index}", daemon=True)
+            thread.start()
+            self._workers.append(thread)
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._wake:
+            self._wake.notify_all()
+        for thread in self._workers:
+            thread.join(timeout=5)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _claim(self) -> sqlite3.Row | None:
+        rows = self._exec(
+            "UPDATE jobs SET state='running', started=?, attempts=attempts+1, stage='starting', progress=0.05 "
+            "WHERE id=(SELECT id FROM jobs WHERE state='queued' ORDER BY created LIMIT 1) RETURNING *",
+            (time.time(),))
+        return rows[0] if rows else None
+
+    def _work(self) -> None:
+        while not self._stop.is_set():
+            row = self._claim()
+            if row is None:
+                with self._wake:
+                    self._wake.wait(timeout=1.0)
+                continue
+            self._run(row)
+
+    def _progress(self, job_id: str, stage: str, progress: float) -> None:
+        rows = self._exec("UPDATE jobs SET stage=?, progress=? WHERE id=? AND state='running' RETURNING id",
+                          (stage, progress, job_id))
+        if not rows:
+            raise Cancelled()
+
+    def _run(self, row: sqlite3.Row) -> None:
+        job_id, model = row["id"], row["model"]
+        spec = InputSpec.from_json(json.loads(row["input"]))
+        folder = self.job_dir(job_id)
+        work, tmp, final = folder / "work", folder / "result.tmp", folder / "result"
+        shutil.rmtree(tmp, ignore_errors=True)
+        timings: dict[str, float] = {}
+        started = time.monotonic()
+        try:
+            if spec.kind == "dicomweb":
+                self._progress(job_id, "pulling from the DICOM store", 0.1)
+                t = time.monotonic()
+                spec = pull(self.config, spec, work, retry=True, on_retry=lambda n, e: self._progress(
+                    job_id, f"DICOM store failed ({e.code}); retry {n}", 0.1))
+                timings["pull_s"] = time.monotonic() - t
+            outcome = execute(self.store, model, spec, tmp, nifti=True, bounded=False,
+                              on_stage=lambda s, p: self._progress(job_id, s, p))
+            timings.update(outcome.timings)
+            result = outcome.result
+            if self.metrics is not None:
+                self.metrics.queue.labels(model).observe(outcome.queued_s)
+            self._progress(job_id, "saving the result", 0.9)
+            outputs: dict[str, str] = {}
+            if getattr(result, "seg_path", None):
+                outputs["seg"] = Path(result.seg_path).relative_to(tmp).as_posix()
+            if getattr(result, "nifti_path", None):
+                outputs["nifti"] = Path(result.nifti_path).relative_to(tmp).as_posix()
+            if row["writeback"] and "seg" in outputs and spec.study is not None:
+                self._progress(job_id, "storing the SEG back (STOW-RS)", 0.95)
+                t = time.monotonic()
+                client = DicomWebClient(self.config.dicomweb_url or "", self.config.dicomweb_timeout)
+                with_retries(lambda: client.store([tmp / outputs["seg"]]), self.config.dicomweb_retries,
+                             self.config.dicomweb_backoff)
+                timings["stow_s"] = time.monotonic() - t
+            self._progress(job_id, "finishing", 0.99)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)  # the files are in place before the row says so
+            timings["total_s"] = time.monotonic() - started
+            segments = getattr(result, "segments", None)
+            updated = self._exec(
+                "UPDATE jobs SET state='succeeded', progress=1, stage='done', finished=?, timings=?, segments=?, "
+                "outputs=? WHERE id=? AND state='running' RETURNING id",
+                (time.time(), json.dumps(timings), json.dumps(segments, default=int), json.dumps(outputs), job_id))
+            if not updated:
+                raise Cancelled()
+            log.info("job %s succeeded in %.2f s", job_id, timings["total_s"])
+        except Cancelled:
+            log.info("job %s was cancelled; dropping its output", job_id)
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)
+        except (ApiError, MedserveError, DicomWebError) as error:
+            message = error.message if isinstance(error, ApiError) else str(error)
+            self._fail(job_id, message, timings)
+        except Exception as error:  # a bug or a library failure: record it, keep the worker alive
+            log.exception("job %s crashed", job_id)
+            self._fail(job_id, f"{type(error).__name__}: {error}", timings)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _fail(self, job_id: str, message: str, timings: dict[str, float]) -> None:
+        log.warning("job %s failed: %s", job_id, message)
+        self._exec("UPDATE jobs SET state='failed', stage='failed', finished=?, error=?, timings=? "
+                   "WHERE id=? AND state='running'", (time.time(), message, json.dumps(timings), job_id))
+        shutil.rmtree(self.job_dir(job_id) / "result.tmp", ignore_errors=True)

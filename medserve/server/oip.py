@@ -1,0 +1,189 @@
+"""Open Inference Protocol v2 (KServe / Triton HTTP) at /v2: health, metadata, readiness and tensor inference.
+
+`POST /v2/models/{name}/infer` takes one input tensor (N, C, X, Y, Z) already preprocessed the bundle's way
+(`BundlePredictor.preprocess`) and returns the raw network output through the bundle's inferer. JSON tensors
+(`data` as a flat row-major list) and the binary tensor extension (`Inference-Header-Content-Length`,
+`parameters.binary_data_size`, `binary_data` outputs) are both supported. Errors are `{"error": text}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import anyio
+import numpy as np
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import JSONResponse, Response
+
+from medserve.server.auth import require
+from medserve.server.errors import ApiError
+
+log = logging.getLogger("medserve.server.oip")
+
+DTYPES: dict[str, np.dtype] = {
+    "FP32": np.dtype("<f4"), "FP16": np.dtype("<f2"), "FP64": np.dtype("<f8"),
+    "INT8": np.dtype("i1"), "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
+    "UINT8": np.dtype("u1"), "UINT16": np.dtype("<u2"), "BOOL": np.dtype("?"),
+}
+OUTPUT_NAME = "OUTPUT"
+INPUT_NAME = "INPUT"
+
+router = APIRouter(prefix="/v2", tags=["open inference protocol v2"])
+
+
+class OipError(ApiError):
+    """OIP errors have their own body shape: `{"error": "text"}`."""
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": self.message}, self.status, headers=self.headers)
+
+
+def _in_channels(network: Any) -> int:
+    for module in network.modules():
+        channels = getattr(module, "in_channels", None)
+        if isinstance(channels, int):
+            return channels
+    return -1
+
+
+@router.get("")
+async def server_metadata() -> dict[str, Any]:
+    import medserve
+
+    return {"name": "medserve", "version": getattr(medserve, "__version__", "0.1.0"), "extensions": ["binary_tensor_data"]}
+
+
+@router.get("/health/live")
+async def live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get("/health/ready")
+async def ready(request: Request) -> JSONResponse:
+    ok = request.app.state.store.scanned.is_set()
+    return JSONResponse({"ready": ok}, 200 if ok else 503)
+
+
+def _entry(request: Request, name: str) -> Any:
+    try:
+        return request.app.state.store.entry(name)
+    except ApiError as error:
+        raise OipError(error.status, error.code, error.message) from error
+
+
+@router.get("/models/{name}", dependencies=[Depends(require("infer"))])
+@router.get("/models/{name}/versions/{version}", dependencies=[Depends(require("infer"))])
+async def model_metadata(request: Request, name: str, version: str | None = None) -> dict[str, Any]:
+    entry = _entry(request, name)
+    channels = _in_channels(entry.predictor.network) if entry.predictor is not None else -1
+    return {
+        "name": name, "versions": [entry.version] if entry.version else [], "platform": "pytorch_monai_bundle",
+        "inputs": [{"name": INPUT_NAME, "datatype": "FP32", "shape": [-1, channels, -1, -1, -1]}],
+        "outputs": [{"name": OUTPUT_NAME, "datatype": "FP32", "shape": [-1, -1, -1, -1, -1]}],
+    }
+
+
+@router.get("/models/{name}/ready", dependencies=[Depends(require("infer"))])
+@router.get("/models/{name}/versions/{version}/ready", dependencies=[Depends(require("infer"))])
+async def model_ready(request: Request, name: str, version: str | None = None) -> JSONResponse:
+    entry = _entry(request, name)
+    ok = entry.predictor is not None
+    return JSONResponse({"name": name, "ready": ok}, 200 if ok else 400)
+
+
+def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], bytes]:
+    header_length = headers.get("inference-header-content-length")
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise OipError(400, "bad_request", "Inference-Header-Content-Length is larger than the body")
+        split = int(header_length)
+        head, binary = body[:split], body[split:]
+    else:
+        head, binary = body, b""
+    try:
+        request = json.loads(head)
+    except ValueError as error:
+        raise OipError(400, "bad_request", f"inference request header is not JSON: {error}") from error
+    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or len(request["inputs"]) != 1:
+        raise OipError(400, "bad_request", "expected exactly one input tensor in 'inputs'")
+    return request, binary
+
+
+def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
+    datatype = spec.get("datatype")
+    shape = spec.get("shape")
+    if datatype not in DTYPES:
+        raise OipError(400, "bad_request", f"unsupported datatype {datatype!r}")
+    if not isinstance(shape, list) or len(shape) != 5 or not all(isinstance(s, int) and s > 0 for s in shape):
+        raise OipError(400, "bad_request", f"input shape must be [N, C, X, Y, Z] of positive ints, got {shape}")
+    dtype = DTYPES[datatype]
+    count = int(np.prod(shape))
+    size = (spec.get("parameters") or {}).get("binary_data_size")
+    if size is not None:
+        if size != count * dtype.itemsize or len(binary) < size:
+            raise OipError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype}")
+        array = np.frombuffer(binary[:size], dtype=dtype)
+    else:
+        data = spec.get("data")
+        if data is None:
+            raise OipError(400, "bad_request", "input has neither 'data' nor parameters.binary_data_size")
+        array = np.asarray(data, dtype=dtype).reshape(-1)
+        if array.size != count:
+            raise OipError(400, "bad_request", f"{array.size} values given for shape {shape}")
+    return array.reshape(shape).astype(np.float32, copy=False)
+
+
+@router.post("/models/{name}/infer", dependencies=[Depends(require("infer"))])
+@router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
+async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    app_state = request.app.state
+    _entry(request, name)
+    body = await request.body()
+    req, binary = _parse_request(request.headers, body)
+    array = _tensor(req["inputs"][0], binary)
+    start = time.monotonic()
+
+    def run() -> np.ndarray:
+        import torch
+
+        with app_state.store.use(name) as (predictor, queued):
+            app_state.metrics.queue.labels(name).observe(queued)
+            out = predictor.infer_tensor(torch.from_numpy(np.ascontiguousarray(array)))
+            return out.detach().to("cpu", torch.float32).numpy()
+
+    try:
+        output = await anyio.to_thread.run_sync(run)
+    except ApiError as error:
+        app_state.metrics.requests.labels(name, "v2", str(error.status)).inc()
+        raise OipError(error.status, error.code, error.message, error.headers) from error
+    except Exception as error:
+        app_state.metrics.requests.labels(name, "v2", "500").inc()
+        log.exception("v2 inference failed")
+        raise OipError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
+    app_state.metrics.requests.labels(name, "v2", "200").inc()
+    app_state.metrics.latency.labels(name, "v2").observe(time.monotonic() - start)
+    return _response(name, app_state.store.entry(name).version, req, output)
+
+
+def _response(name: str, version: str | None, req: dict[str, Any], output: np.ndarray) -> Response:
+    wanted = req.get("outputs") or [{"name": OUTPUT_NAME}]
+    binary_default = bool((req.get("parameters") or {}).get("binary_data_output", False))
+    names = [w.get("name") for w in wanted]
+    if any(n != OUTPUT_NAME for n in names):
+        raise OipError(400, "bad_request", f"unknown output(s) {names}; the only output is {OUTPUT_NAME!r}")
+    want_binary = bool((wanted[0].get("parameters") or {}).get("binary_data", binary_default))
+    tensor: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "FP32", "shape": list(output.shape)}
+    result: dict[str, Any] = {"model_name": name, "model_version": version or "", "outputs": [tensor]}
+    if "id" in req:
+        result["id"] = req["id"]
+    if not want_binary:
+        tensor["data"] = output.reshape(-1).tolist()
+        return JSONResponse(result)
+    raw = np.ascontiguousarray(output, dtype="<f4").tobytes()
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    head = json.dumps(result).encode()
+    return Response(head + raw, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})

@@ -1,0 +1,69 @@
+"""One inference on a staged input, shared by the sync endpoint and the job workers: pull (DICOMweb) ->
+admission -> hot predictor -> medserve.pipeline (the same path apps/bundle_seg runs) -> files in `out_dir`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from medserve.server.config import ServerConfig
+from medserve.server.dicomweb import DicomWebClient, with_retries
+from medserve.server.inputs import InputSpec
+from medserve.server.store import ModelStore
+
+log = logging.getLogger("medserve.server.runner")
+
+
+@dataclass
+class Outcome:
+    result: Any  # medserve.pipeline.StudyResult
+    queued_s: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def pull(config: ServerConfig, spec: InputSpec, dest: Path, retry: bool,
+         on_retry: Callable[[int, Exception], None] | None = None) -> InputSpec:
+    """Resolve a DICOMweb reference into a local folder; jobs retry with backoff, sync calls fail fast."""
+    assert config.dicomweb_url and spec.study
+    client = DicomWebClient(config.dicomweb_url, config.dicomweb_timeout)
+    folder = dest / "dicom"
+
+    def attempt() -> int:
+        if folder.exists():  # a retry starts from scratch rather than mixing partial pulls
+            for path in folder.iterdir():
+                path.unlink()
+        return client.pull(spec.study, spec.series, folder)
+
+    if retry:
+        with_retries(attempt, config.dicomweb_retries, config.dicomweb_backoff, on_retry)
+    else:
+        attempt()
+    return InputSpec("dicom", folder, spec.study, spec.series)
+
+
+def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nifti: bool, bounded: bool,
+            on_stage: Callable[[str, float], None] | None = None) -> Outcome:
+    """Run model `name` on a local input (dicom folder or NIfTI file); outputs land in `out_dir`."""
+    from medserve import pipeline
+
+    stage = on_stage or (lambda _s, _p: None)
+    timings: dict[str, float] = {}
+    stage("waiting for the model", 0.3)
+    start = time.monotonic()
+    with store.use(name, bounded=bounded) as (predictor, queued):
+        timings["queue_s"] = queued
+        timings["model_s"] = time.monotonic() - start - queued
+        stage("inferring", 0.4)
+        run_start = time.monotonic()
+        if spec.kind == "nifti":
+            result = pipeline.run_nifti(spec.path, predictor, out_dir)
+        else:
+            result = pipeline.run_study(spec.path, predictor, out_dir, nifti=nifti)
+        timings["pipeline_s"] = time.monotonic() - run_start
+    for key, value in (getattr(result, "timings", None) or {}).items():
+        timings[f"pipeline.{key}"] = float(value)
+    return Outcome(result, queued, timings)

@@ -1,0 +1,395 @@
+"""The model store: a watched folder of bundles, each callable by its folder name, with hot models kept loaded.
+
+Rules (documented in the README):
+- Half-copy: a folder is considered only once the list of its files with their sizes and mtimes has stayed
+  identical for `stable_seconds` (default 2 s). Folders whose name starts with `.` or ends with `.tmp`/`.partial`
+  are ignored, so copy-then-rename (`cp -r b bundles/.b && mv bundles/.b bundles/b`) is also safe.
+- Replace: when a loaded bundle's files change and settle, the new version loads in the background while the
+  old predictor keeps serving; requests switch to the new one once it has loaded. A failed reload marks the
+  model `failed` (what is on disk is what serves).
+- Remove: the entry disappears and the predictor is dropped; in-flight requests finish with their reference.
+- Budget: after a load, least-recently-used models are unloaded until `max_models` / `max_memory_bytes` hold.
+  Idle models go first; a model that is running a request is evicted only if that is not enough (the request
+  finishes with its reference and the memory is freed afterwards).
+- Admission: per model at most `concurrency` running and `queue_size` waiting; the next sync request gets 429
+  with Retry-After; waiting longer than `queue_timeout` gives 503.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from medserve.errors import BundleError, MedserveError
+from medserve.server.config import ServerConfig
+from medserve.server.errors import ApiError
+
+log = logging.getLogger("medserve.server.store")
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+Fingerprint = tuple[tuple[str, int, int], ...]
+
+
+def check_model_name(name: str) -> str:
+    """Model names are folder names: no path separators, no `..`, nothing a path could be built from."""
+    if not NAME_RE.match(name) or ".." in name:
+        raise ApiError(400, "bad_model_name",
+                       f"invalid model name {name!r}: use letters, digits, '.', '_' or '-', no path separators")
+    return name
+
+
+def fingerprint(folder: Path) -> Fingerprint:
+    """Every file under `folder` with its size and mtime; any change during a copy changes this value."""
+    items: list[tuple[str, int, int]] = []
+    for path in folder.rglob("*"):
+        try:
+            if path.is_file():
+                st = path.stat()
+                items.append((path.relative_to(folder).as_posix(), st.st_size, st.st_mtime_ns))
+        except FileNotFoundError:  # removed while we walk: the next scan sees the new state
+            continue
+    return tuple(sorted(items))
+
+
+def read_metadata(folder: Path) -> dict[str, Any]:
+    """configs/metadata.json, read without loading the model, so listings show version and description."""
+    path = folder / "configs" / "metadata.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise BundleError(f"{folder.name}: no configs/metadata.json in the bundle") from error
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise BundleError(f"{folder.name}: configs/metadata.json is not valid JSON: {error}") from error
+
+
+class Gate:
+    """Per-model admission: a bounded number of running requests and a bounded queue of waiting ones."""
+
+    def __init__(self, concurrency: int, queue_size: int) -> None:
+        self.concurrency = max(1, concurrency)
+        self.queue_size = max(0, queue_size)
+        self.active = 0
+        self.waiting = 0
+        self._cond = threading.Condition()
+
+    def enter(self, bounded: bool, timeout: float) -> float:
+        """Wait for a slot; returns the seconds spent queued. `bounded=False` (jobs) skips the queue limit,
+        since the job queue itself is bounded by the number of workers."""
+        start = time.monotonic()
+        with self._cond:
+            if bounded and self.active >= self.concurrency and self.waiting >= self.queue_size:
+                raise ApiError(429, "queue_full", "model is busy and its queue is full; retry later",
+                               {"Retry-After": "1"})
+            self.waiting += 1
+            try:
+                if not self._cond.wait_for(lambda: self.active < self.concurrency, timeout):
+                    raise ApiError(503, "queue_timeout", f"waited {timeout:.0f} s for the model; retry later",
+                                   {"Retry-After": "5"})
+            finally:
+                self.waiting -= 1
+            self.active += 1
+        return time.monotonic() - start
+
+    def leave(self) -> None:
+        with self._cond:
+            self.active -= 1
+            self._cond.notify()
+
+
+@dataclass
+class ModelEntry:
+    """One folder of the store and what we know about it."""
+
+    name: str
+    path: Path
+    gate: Gate
+    state: str = "copying"  # copying -> available -> loading -> loaded; failed; unloaded after eviction
+    error: str | None = None
+    version: str | None = None
+    description: str | None = None
+    predictor: Any = None
+    loaded_fp: Fingerprint | None = None  # files the predictor (or the failure) came from
+    seen_fp: Fingerprint | None = None  # last scan's files
+    stable_since: float = 0.0
+    settled_fp: Fingerprint | None = None  # last fingerprint that satisfied the half-copy rule
+    last_used: float = 0.0
+    memory: int = 0
+    load_seconds: float | None = None
+    reloading: bool = False
+    load_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def summary(self) -> dict[str, Any]:
+        device = getattr(self.predictor, "device", None)
+        return {
+            "name": self.name,
+            "version": self.version,
+            "description": self.description,
+            "state": self.state,
+            "loaded": self.predictor is not None,
+            "device": str(device) if device is not None else None,
+            "memory_bytes": self.memory if self.predictor is not None else 0,
+            "error": self.error,
+            "load_seconds": self.load_seconds,
+            "active": self.gate.active,
+            "queued": self.gate.waiting,
+        }
+
+
+def _default_loader(path: Path, device: str | None) -> Any:
+    from medserve.bundle import BundlePredictor
+
+    return BundlePredictor.from_dir(path, device=device)
+
+
+class ModelStore:
+    """Watches `config.store` and hands out hot predictors by name."""
+
+    def __init__(self, config: ServerConfig, on_change: Any = None) -> None:
+        self.config = config
+        self.root = Path(config.store)
+        self._entries: dict[str, ModelEntry] = {}
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medserve-load")
+        self.scanned = threading.Event()  # set after the first scan has settled (readiness)
+        self.on_change = on_change  # called after loads/unloads (metrics)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._watch, name="medserve-store", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self._background.shutdown(wait=False, cancel_futures=True)
+
+    def _watch(self) -> None:
+        first = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.scan()
+            except Exception:  # the watcher must survive anything a user does to the folder
+                log.exception("store scan failed")
+            if not self.scanned.is_set() and (
+                all(e.state != "copying" for e in self.entries())
+                or time.monotonic() - first > self.config.stable_seconds * 5
+            ):
+                self.scanned.set()
+            self._stop.wait(self.config.poll_interval)
+
+    # ---- scanning --------------------------------------------------------------------------------------
+    def _folders(self) -> dict[str, Path]:
+        found: dict[str, Path] = {}
+        if not self.root.is_dir():
+            return found
+        for child in self.root.iterdir():
+            name = child.name
+            if name.startswith(".") or name.endswith((".tmp", ".partial")) or not child.is_dir():
+                continue
+            if NAME_RE.match(name):
+                found[name] = child
+        return found
+
+    def scan(self) -> None:
+        """One pass of the watcher: new, changed and removed folders."""
+        now = time.monotonic()
+        folders = self._folders()
+        with self._lock:
+            for name in list(self._entries):
+                if name not in folders:
+                    entry = self._entries.pop(name)
+                    log.info("bundle %s removed from the store; unloading", name)
+                    entry.predictor = None
+                    entry.state = "removed"
+                    self._changed()
+            for name, path in folders.items():
+                entry = self._entries.get(name)
+                if entry is None:
+                    entry = ModelEntry(name, path, Gate(self.config.concurrency, self.config.queue_size))
+                    self._entries[name] = entry
+                    log.info("bundle %s appeared; waiting for it to settle", name)
+                fp = fingerprint(path)
+                if fp != entry.seen_fp:
+                    entry.seen_fp = fp
+                    entry.stable_since = now
+                    continue
+                if now - entry.stable_since < self.config.stable_seconds or fp == entry.settled_fp:
+                    continue
+                entry.settled_fp = fp
+                self._settled(entry, fp)
+
+    def _settled(self, entry: ModelEntry, fp: Fingerprint) -> None:
+        """Files stopped changing: (re)read metadata, and load eagerly when that is wanted and fits."""
+        if not fp:
+            entry.state, entry.error = "failed", f"{entry.name}: the bundle folder is empty"
+            entry.loaded_fp = fp
+            return
+        try:
+            meta = read_metadata(entry.path)
+        except MedserveError as error:
+            log.warning("bundle %s is broken: %s", entry.name, error)
+            entry.state, entry.error, entry.loaded_fp = "failed", str(error), fp
+            entry.predictor = None
+            self._changed()
+            return
+        entry.version = str(meta.get("version")) if meta.get("version") is not None else None
+        entry.description = meta.get("description") or meta.get("name")
+        if entry.predictor is not None:
+            # Replacement: the old predictor keeps serving until the new one is ready.
+            entry.reloading = True
+            self._background.submit(self._load_safely, entry.name, fp)
+            return
+        entry.state, entry.error = "available", None
+        if self._wants_eager_load(entry):
+            entry.state = "loading"
+            self._background.submit(self._load_safely, entry.name, fp)
+
+    def _wants_eager_load(self, entry: ModelEntry) -> bool:
+        preload = self.config.preload
+        if "all" in preload or entry.name in preload:
+            return True
+        # Load right away when it fits without evicting anything: broken bundles then show as `failed` early.
+        loaded = [e for e in self._entries.values() if e.predictor is not None]
+        return self.config.max_models is None or len(loaded) < self.config.max_models
+
+    def _load_safely(self, name: str, fp: Fingerprint) -> None:
+        try:
+            self.load(name, expected_fp=fp)
+        except Exception as error:  # state already records the failure
+            log.debug("background load of %s failed: %s", name, error)
+
+    # ---- loading ---------------------------------------------------------------------------------------
+    def load(self, name: str, expected_fp: Fingerprint | None = None) -> Any:
+        """Load (or reload) `name` now and return its predictor; raises BundleError and marks `failed`."""
+        entry = self.entry(name)
+        with entry.load_lock:
+            current = entry.settled_fp
+            if entry.predictor is not None and entry.loaded_fp == current and not entry.reloading:
+                return entry.predictor
+            if entry.state == "failed" and entry.loaded_fp == current:
+                raise BundleError(entry.error or f"{name} failed to load")
+            if entry.predictor is None:
+                entry.state = "loading"
+            start = time.monotonic()
+            try:
+                predictor = _default_loader(entry.path, self.config.device)
+            except Exception as error:
+                message = str(error) if isinstance(error, MedserveError) else f"{type(error).__name__}: {error}"
+                log.warning("bundle %s failed to load: %s", name, message)
+                with self._lock:
+                    entry.state, entry.error = "failed", message
+                    entry.predictor, entry.loaded_fp, entry.reloading = None, current, False
+                self._changed()
+                raise BundleError(f"model {name!r} failed to load: {message}") from error
+            with self._lock:
+                if self._entries.get(name) is not entry:  # removed while loading
+                    raise ApiError(404, "unknown_model", f"model {name!r} was removed from the store")
+                entry.predictor, entry.loaded_fp, entry.reloading = predictor, current, False
+                entry.state, entry.error = "loaded", None
+                entry.load_seconds = time.monotonic() - start
+                try:
+                    entry.memory = int(predictor.memory_bytes())
+                except Exception:
+                    entry.memory = 0
+                entry.last_used = time.monotonic()
+                log.info("loaded %s in %.2f s (%d bytes)", name, entry.load_seconds, entry.memory)
+                self._enforce_budget(keep=name)
+            self._changed()
+            return predictor
+
+    def unload(self, name: str) -> None:
+        entry = self.entry(name)
+        with self._lock:
+            entry.predictor = None
+            if entry.state in ("loaded", "loading"):
+                entry.state = "unloaded"
+        self._changed()
+
+    def _enforce_budget(self, keep: str) -> None:
+        loaded = [e for e in self._entries.values() if e.predictor is not None]
+
+        def over() -> bool:
+            live = [e for e in loaded if e.predictor is not None]
+            too_many = self.config.max_models is not None and len(live) > self.config.max_models
+            too_big = (self.config.max_memory_bytes is not None
+                       and sum(e.memory for e in live) > self.config.max_memory_bytes)
+            return too_many or too_big
+
+        # Idle first, then busy; oldest use first within each group.
+        order = sorted((e for e in loaded if e.name != keep), key=lambda e: (e.gate.active > 0, e.last_used))
+        for victim in order:
+            if not over():
+                break
+            log.info("evicting %s (least recently used) to stay within the budget", victim.name)
+            victim.predictor = None
+            victim.state = "unloaded"
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(self)
+            except Exception:
+                log.exception("store change hook failed")
+
+    # ---- lookups ---------------------------------------------------------------------------------------
+    def entries(self) -> list[ModelEntry]:
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda e: e.name)
+
+    def entry(self, name: str) -> ModelEntry:
+        check_model_name(name)
+        with self._lock:
+            entry = self._entries.get(name)
+        if entry is None:
+            raise ApiError(404, "unknown_model", f"no model {name!r} in the store ({self.root})")
+        return entry
+
+    def predictor(self, name: str) -> Any:
+        """The hot predictor for `name`, loading it on demand (cold start)."""
+        entry = self.entry(name)
+        if entry.state == "copying" and entry.predictor is None:
+            raise ApiError(503, "model_settling", f"bundle {name!r} is still being copied; retry shortly",
+                           {"Retry-After": str(max(1, int(self.config.stable_seconds)))})
+        if entry.state == "failed" and entry.loaded_fp == entry.settled_fp:
+            raise ApiError(409, "model_failed", f"model {name!r} failed to load: {entry.error}")
+        predictor = entry.predictor
+        if predictor is None:
+            predictor = self.load(name)
+        entry.last_used = time.monotonic()
+        return predictor
+
+    @contextmanager
+    def use(self, name: str, bounded: bool = True) -> Iterator[tuple[Any, float]]:
+        """Admission + hot predictor: `with store.use(name) as (predictor, queued_s): ...`."""
+        entry = self.entry(name)
+        queued = entry.gate.enter(bounded, self.config.queue_timeout)
+        try:
+            yield self.predictor(name), queued
+        finally:
+            entry.gate.leave()
+            entry.last_used = time.monotonic()
+
+    def wait_until(self, name: str, states: tuple[str, ...], timeout: float) -> ModelEntry:
+        """Test and CLI helper: poll until `name` is in one of `states`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                entry = self._entries.get(name)
+            if entry is not None and entry.state in states and not entry.reloading:
+                return entry
+            time.sleep(0.05)
+        raise TimeoutError(f"{name} not in {states} after {timeout} s")

@@ -1,0 +1,295 @@
+"""tus 1.0.0 resumable uploads at /v1/uploads: core protocol plus creation, termination, expiration and checksum.
+
+Each upload is two files under `<data-dir>/uploads/`: `ID.bin` (the bytes received so far, whose size *is* the
+offset, so a crash loses nothing that was written) and `ID.json` (declared length, metadata, expiry). Bodies are
+streamed to disk in 1 MiB-4 MiB writes off the event loop; nothing is held in memory. A PATCH that would go past
+the declared length is refused with 413 and its bytes are dropped; a PATCH whose Upload-Checksum does not match
+is dropped with 460.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, Request
+from starlette.requests import ClientDisconnect
+from starlette.responses import JSONResponse, Response
+
+from medserve.server.auth import require
+from medserve.server.errors import ApiError
+
+log = logging.getLogger("medserve.server.uploads")
+
+TUS_VERSION = "1.0.0"
+EXTENSIONS = "creation,termination,expiration,checksum"
+CHECKSUMS = {"sha1": hashlib.sha1, "md5": hashlib.md5, "sha256": hashlib.sha256}
+ID_RE = re.compile(r"^[0-9a-f]{32}$")
+WRITE_BATCH = 4 * 1024 * 1024
+
+
+@dataclass
+class UploadInfo:
+    id: str
+    length: int
+    metadata: dict[str, str] = field(default_factory=dict)
+    created: float = 0.0
+    expires: float = 0.0
+
+
+def _http_date(ts: float) -> str:
+    return time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(ts))
+
+
+def parse_metadata(header: str) -> dict[str, str]:
+    """`key base64value,key2 base64value2` -> dict; values that are not UTF-8 are kept as base64."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in header.split(","))):
+        key, _, value = item.partition(" ")
+        try:
+            raw = base64.b64decode(value.strip(), validate=True) if value else b""
+        except binascii.Error as error:
+            raise ApiError(400, "bad_metadata", f"Upload-Metadata value for {key!r} is not base64") from error
+        try:
+            out[key] = raw.decode()
+        except UnicodeDecodeError:
+            out[key] = value.strip()
+    return out
+
+
+class UploadStore:
+    """Upload files on disk and the operations the tus routes and the inference inputs need."""
+
+    def __init__(self, root: Path, max_bytes: int, expiry_seconds: float) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.expiry_seconds = expiry_seconds
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _paths(self, upload_id: str) -> tuple[Path, Path]:
+        if not ID_RE.match(upload_id):
+            raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}")
+        return self.root / f"{upload_id}.bin", self.root / f"{upload_id}.json"
+
+    def create(self, length: int, metadata: dict[str, str]) -> UploadInfo:
+        now = time.time()
+        info = UploadInfo(uuid.uuid4().hex, length, metadata, now, now + self.expiry_seconds)
+        data, meta = self._paths(info.id)
+        data.touch()
+        tmp = meta.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(info)))
+        tmp.replace(meta)
+        return info
+
+    def info(self, upload_id: str) -> UploadInfo:
+        data, meta = self._paths(upload_id)
+        try:
+            info = UploadInfo(**json.loads(meta.read_text()))
+        except FileNotFoundError as error:
+            raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}") from error
+        if info.expires < time.time():
+            self.delete(upload_id)
+            raise ApiError(410, "upload_expired", f"upload {upload_id!r} expired")
+        return info
+
+    def offset(self, upload_id: str) -> int:
+        return self._paths(upload_id)[0].stat().st_size
+
+    def touch(self, info: UploadInfo) -> None:
+        """Activity extends the expiry (an upload that is being resumed should not vanish)."""
+        info.expires = time.time() + self.expiry_seconds
+        meta = self._paths(info.id)[1]
+        tmp = meta.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(info)))
+        tmp.replace(meta)
+
+    def delete(self, upload_id: str) -> None:
+        for path in self._paths(upload_id):
+            path.unlink(missing_ok=True)
+
+    def finished(self, upload_id: str) -> Path:
+        """The file of a complete upload, for `{"upload": id}` inputs."""
+        info = self.info(upload_id)
+        offset = self.offset(upload_id)
+        if offset != info.length:
+            raise ApiError(409, "upload_incomplete",
+                           f"upload {upload_id!r} has {offset} of {info.length} bytes; finish it first")
+        return self._paths(upload_id)[0]
+
+    def sweep(self) -> int:
+        """Delete expired uploads; returns how many went."""
+        gone = 0
+        now = time.time()
+        for meta in self.root.glob("*.json"):
+            try:
+                if json.loads(meta.read_text())["expires"] < now:
+                    self.delete(meta.stem)
+                    gone += 1
+            except (OSError, ValueError, KeyError, ApiError):
+                continue
+        return gone
+
+    def lock(self, upload_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(upload_id, asyncio.Lock())
+
+
+def _tus_headers(**extra: str) -> dict[str, str]:
+    return {"Tus-Resumable": TUS_VERSION, "Cache-Control": "no-store", **extra}
+
+
+def _check_version(request: Request) -> None:
+    if request.headers.get("tus-resumable") != TUS_VERSION:
+        raise ApiError(412, "tus_version", f"Tus-Resumable: {TUS_VERSION} is required",
+                       {"Tus-Version": TUS_VERSION})
+
+
+def _uploads(request: Request) -> UploadStore:
+    return request.app.state.uploads
+
+
+router = APIRouter(prefix="/v1/uploads", tags=["uploads (tus 1.0.0)"])
+
+
+@router.options("")
+@router.options("/{upload_id}")
+async def options(request: Request) -> Response:
+    store = _uploads(request)
+    return Response(status_code=204, headers=_tus_headers(**{
+        "Tus-Version": TUS_VERSION, "Tus-Extension": EXTENSIONS, "Tus-Max-Size": str(store.max_bytes),
+        "Tus-Checksum-Algorithm": ",".join(CHECKSUMS)}))
+
+
+@router.post("", dependencies=[Depends(require("infer"))], status_code=201)
+async def create(request: Request) -> Response:
+    _check_version(request)
+    store = _uploads(request)
+    if request.headers.get("upload-defer-length"):
+        raise ApiError(400, "defer_length_unsupported", "Upload-Defer-Length is not supported; send Upload-Length")
+    raw = request.headers.get("upload-length", "")
+    if not raw.isdigit():
+        raise ApiError(400, "bad_upload_length", "Upload-Length must be a non-negative integer")
+    length = int(raw)
+    if length > store.max_bytes:
+        raise ApiError(413, "upload_too_large", f"Upload-Length {length} exceeds the limit of {store.max_bytes}",
+                       {"Tus-Max-Size": str(store.max_bytes), "Tus-Resumable": TUS_VERSION})
+    info = store.create(length, parse_metadata(request.headers.get("upload-metadata", "")))
+    log.info("upload %s created (%d bytes, %s)", info.id, length, info.metadata.get("filename"))
+    location = str(request.url_for("upload_head", upload_id=info.id))
+    return Response(status_code=201, headers=_tus_headers(
+        Location=location, **{"Upload-Expires": _http_date(info.expires), "Upload-Offset": "0"}))
+
+
+@router.head("/{upload_id}", name="upload_head", dependencies=[Depends(require("infer"))])
+async def head(request: Request, upload_id: str) -> Response:
+    _check_version(request)
+    store = _uploads(request)
+    info = store.info(upload_id)
+    headers = _tus_headers(**{"Upload-Offset": str(store.offset(upload_id)), "Upload-Length": str(info.length),
+                              "Upload-Expires": _http_date(info.expires)})
+    if info.metadata:
+        headers["Upload-Metadata"] = ",".join(
+            f"{k} {base64.b64encode(v.encode()).decode()}" for k, v in info.metadata.items())
+    return Response(status_code=200, headers=headers)
+
+
+@router.get("/{upload_id}", dependencies=[Depends(require("infer"))])
+async def describe(request: Request, upload_id: str) -> JSONResponse:
+    """Not part of tus: a JSON view of one upload, handy with curl."""
+    store = _uploads(request)
+    info = store.info(upload_id)
+    offset = store.offset(upload_id)
+    return JSONResponse({"id": info.id, "length": info.length, "offset": offset, "complete": offset == info.length,
+                         "metadata": info.metadata, "expires": _http_date(info.expires)})
+
+
+@router.patch("/{upload_id}", dependencies=[Depends(require("infer"))])
+async def patch(request: Request, upload_id: str) -> Response:
+    _check_version(request)
+    store = _uploads(request)
+    if request.headers.get("content-type", "").split(";")[0].strip() != "application/offset+octet-stream":
+        raise ApiError(415, "bad_content_type", "PATCH needs Content-Type: application/offset+octet-stream")
+    checksum = None
+    if "upload-checksum" in request.headers:
+        algo, _, digest = request.headers["upload-checksum"].partition(" ")
+        if algo not in CHECKSUMS:
+            raise ApiError(400, "bad_checksum_algorithm", f"Upload-Checksum algorithm {algo!r} is not one of "
+                           f"{','.join(CHECKSUMS)}")
+        try:
+            checksum = (CHECKSUMS[algo](), base64.b64decode(digest.strip(), validate=True))
+        except binascii.Error as error:
+            raise ApiError(400, "bad_checksum", "Upload-Checksum digest is not base64") from error
+    lock = store.lock(upload_id)
+    if lock.locked():
+        raise ApiError(423, "upload_locked", "another PATCH is writing this upload", {"Tus-Resumable": TUS_VERSION})
+    async with lock:
+        info = store.info(upload_id)
+        data_path = store._paths(upload_id)[0]
+        offset = store.offset(upload_id)
+        claimed = request.headers.get("upload-offset", "")
+        if not claimed.isdigit() or int(claimed) != offset:
+            raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed or '(missing)'} != current offset "
+                           f"{offset}", {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
+        received = await _receive(request, data_path, offset, info.length, checksum)
+        store.touch(info)
+        new_offset = offset + received
+        if new_offset == info.length:
+            log.info("upload %s complete (%d bytes)", upload_id, info.length)
+        return Response(status_code=204, headers=_tus_headers(**{
+            "Upload-Offset": str(new_offset), "Upload-Expires": _http_date(info.expires)}))
+
+
+async def _receive(request: Request, path: Path, offset: int, length: int,
+                   checksum: tuple[Any, bytes] | None) -> int:
+    """Stream the body to `path` at `offset`; returns bytes kept. Rolls back on overflow or bad checksum."""
+    received = 0
+    buffer = bytearray()
+    disconnected = False
+    with open(path, "r+b") as out:
+        out.seek(offset)
+        try:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if offset + received > length:
+                    await anyio.to_thread.run_sync(_truncate, out, offset)
+                    raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {length}",
+                                   {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
+                if checksum is not None:
+                    checksum[0].update(chunk)
+                buffer += chunk
+                if len(buffer) >= WRITE_BATCH:
+                    await anyio.to_thread.run_sync(out.write, bytes(buffer))
+                    buffer.clear()
+        except ClientDisconnect:
+            # The client went away: keep what arrived (that is what resuming is for) unless it was checksummed.
+            disconnected = True
+        if checksum is not None and (disconnected or checksum[0].digest() != checksum[1]):
+            await anyio.to_thread.run_sync(_truncate, out, offset)
+            if disconnected:
+                return 0
+            raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk dropped",
+                           {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
+        if buffer:
+            await anyio.to_thread.run_sync(out.write, bytes(buffer))
+        await anyio.to_thread.run_sync(out.flush)
+    if disconnected:
+        log.info("upload %s: client disconnected after %d bytes; kept for resuming", path.stem, received)
+    return received
+
+
+def _truncate(handle: Any, offset: int) -> None:
+    handle.flush()
+    handle.truncate(offset)
+    os.fsync(handle.fileno())
