@@ -43,3 +43,7 @@ def configure_logging(verbosity: int = 0) -> None:
     root.setLevel(level)
     for name in _LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
+    # Libraries' deprecation chatter (MONAI, Holoscan) shows only when asked for with -v.
+    logging.captureWarnings(True)
+    logging.getLogger("py.warnings").setLevel(logging.WARNING if level <= logging.INFO else logging.ERROR)
+    os.environ.setdefault("HOLOSCAN_LOG_LEVEL", {logging.DEBUG: "DEBUG", logging.INFO: "INFO"}.get(level, "ERROR"))

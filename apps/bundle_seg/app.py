@@ -1,0 +1,124 @@
+"""bundle_seg: segment a DICOM study with any MONAI segmentation bundle and write a DICOM SEG and a NIfTI map.
+
+    python apps/bundle_seg/app.py -i DICOM_DIR -o OUT_DIR -m BUNDLE_DIR [--rules RULES.json] [--device cpu]
+
+or, as inside a MAP, with HOLOSCAN_INPUT_PATH / HOLOSCAN_OUTPUT_PATH / HOLOSCAN_MODEL_PATH set. The model path
+is a bundle folder, or a folder holding exactly one bundle folder (a MAP's /opt/holoscan/models).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from monai.deploy.core import Application
+from monai.deploy.conditions import CountCondition
+
+from medserve.bundle.predictor import BundlePredictor
+from medserve.errors import BundleError, MedserveError
+from medserve.logs import configure_logging
+from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, ResultSummaryOperator,
+                       SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
+from operators.failures import failure_of
+
+_PATH_VARIABLES = {"input": "HOLOSCAN_INPUT_PATH", "output": "HOLOSCAN_OUTPUT_PATH", "model": "HOLOSCAN_MODEL_PATH"}
+
+
+def resolve_bundle(model_path: Path) -> Path:
+    """The bundle folder itself, or the single bundle folder inside a models folder."""
+    if (model_path / "configs").is_dir():
+        return model_path
+    candidates = [p for p in sorted(model_path.iterdir()) if (p / "configs").is_dir()] if model_path.is_dir() else []
+    if len(candidates) == 1:
+        return candidates[0]
+    found = ", ".join(p.name for p in candidates) or "none"
+    raise BundleError(f"model path {model_path}: expected a bundle folder (with configs/) or a folder holding "
+                      f"exactly one; bundle folders found: {found}")
+
+
+class BundleSegApp(Application):
+    """DICOM folder -> series -> volume -> bundle inference -> DICOM SEG + NIfTI."""
+
+    def __init__(self, *args, rules: str | None = None, device: str | None = None, nifti: bool = True,
+                 verbosity: int = 0, **kwargs):
+        self.rules = rules
+        self.verbosity = verbosity
+        self.device = device
+        self.nifti = nifti
+        self.started = time.perf_counter()
+        super().__init__(*args, **kwargs)
+
+    def compose(self):
+        context = Application.init_app_context(self.argv)
+        configure_logging(self.verbosity)  # the SDK's context set-up installs its own logging config
+        input_path, output_path = Path(context.input_path), Path(context.output_path)
+        predictor = BundlePredictor.from_dir(resolve_bundle(Path(context.model_path)), self.device)
+
+        loader = DicomLoaderOperator(self, CountCondition(self, 1), input_folder=input_path, name="dicom_loader")
+        selector = SeriesSelectorOperator(self, rules=self.rules, name="series_selector")
+        to_volume = SeriesToVolumeOperator(self, name="series_to_volume")
+        inference = BundleInferenceOperator(self, predictor=predictor, name="bundle_inference")
+        seg_writer = SegWriterOperator(self, output_folder=output_path, predictor=predictor, name="seg_writer")
+        summary = ResultSummaryOperator(self, labels=predictor.labels, started=self.started, name="summary")
+
+        self.add_flow(loader, selector, {("study_index", "study_index")})
+        self.add_flow(selector, to_volume, {("selected_series", "selected_series")})
+        self.add_flow(to_volume, inference, {("volume", "volume")})
+        self.add_flow(inference, seg_writer, {("label_map", "label_map")})
+        self.add_flow(to_volume, seg_writer, {("volume", "volume"), ("series", "series")})
+        self.add_flow(inference, summary, {("label_map", "label_map")})
+        self.add_flow(seg_writer, summary, {("seg_path", "seg_path")})
+        if self.nifti:
+            nifti_writer = NiftiWriterOperator(self, output_folder=output_path, name="nifti_writer")
+            self.add_flow(inference, nifti_writer, {("label_map", "label_map")})
+            self.add_flow(to_volume, nifti_writer, {("volume", "volume")})
+            self.add_flow(nifti_writer, summary, {("nifti_path", "nifti_path")})
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bundle_seg", description=__doc__.splitlines()[0])
+    parser.add_argument("-i", "--input", type=Path, help="DICOM folder (default: $HOLOSCAN_INPUT_PATH)")
+    parser.add_argument("-o", "--output", type=Path, help="output folder (default: $HOLOSCAN_OUTPUT_PATH)")
+    parser.add_argument("-m", "--model", type=Path, help="bundle folder (default: $HOLOSCAN_MODEL_PATH)")
+    parser.add_argument("--rules", help="series selection rules: a JSON file or string (stock selector format)")
+    parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--no-nifti", dest="nifti", action="store_false", help="write the DICOM SEG only")
+    parser.add_argument("-l", "--log-level", default=None, help="DEBUG, INFO, WARNING (default) or ERROR")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    verbosity = {"DEBUG": 2, "INFO": 1}.get(str(args.log_level).upper(), 0)
+    configure_logging(verbosity)
+    for name, variable in _PATH_VARIABLES.items():
+        value = getattr(args, name)
+        if value is not None:
+            os.environ[variable] = str(value.resolve())
+        if not os.environ.get(variable):
+            print(f"error: no {name} path: pass --{name} or set {variable}", file=sys.stderr)
+            return 2
+    if not Path(os.environ["HOLOSCAN_INPUT_PATH"]).exists():
+        print(f"error: input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist", file=sys.stderr)
+        return 2
+    # The SDK reads the paths from the environment; its own argv parser must not see our flags.
+    sdk_log_level = {0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
+    app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules, device=args.device, nifti=args.nifti,
+                       verbosity=verbosity)
+    try:
+        app.run()
+    except MedserveError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    failure = failure_of(app)
+    if failure is not None:
+        print(f"error: {failure}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

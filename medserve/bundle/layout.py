@@ -1,0 +1,82 @@
+"""Find and check the files of a bundle directory before anything is parsed or loaded.
+
+The standard layout: `configs/metadata.json`, `configs/inference.json|yaml|yml`, and weights in
+`models/model.pt` (a state dict or a checkpoint holding one) or `models/model.ts` (TorchScript).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from medserve.errors import BundleError
+
+INFERENCE_CONFIG_NAMES = ("inference.json", "inference.yaml", "inference.yml")
+WEIGHT_NAMES = ("model.pt", "model.ts")
+
+
+@dataclass(frozen=True)
+class BundleLayout:
+    root: Path
+    metadata_path: Path
+    config_path: Path
+    weights_path: Path
+    metadata: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def version(self) -> str:
+        return str(self.metadata.get("version", ""))
+
+    @property
+    def description(self) -> str:
+        return str(self.metadata.get("description") or self.metadata.get("name") or "")
+
+    @property
+    def output_key(self) -> str:
+        outputs = self.metadata.get("network_data_format", {}).get("outputs", {})
+        return next(iter(outputs), "pred")
+
+    def labels(self) -> dict[int, str]:
+        """Foreground labels {value: name} from the output's channel_def (background, value 0, left out)."""
+        outputs = self.metadata.get("network_data_format", {}).get("outputs", {})
+        channel_def = outputs.get(self.output_key, {}).get("channel_def", {}) if outputs else {}
+        labels = {}
+        for value, name in channel_def.items():
+            try:
+                number = int(value)
+            except ValueError:
+                continue
+            if number > 0:
+                labels[number] = str(name)
+        return labels
+
+    @classmethod
+    def find(cls, root: Path | str) -> BundleLayout:
+        root = Path(root)
+        if not root.is_dir():
+            raise BundleError(f"bundle {root} does not exist or is not a folder")
+        metadata_path = root / "configs" / "metadata.json"
+        if not metadata_path.is_file():
+            raise BundleError(f"bundle {root}: configs/metadata.json is missing")
+        try:
+            metadata = json.loads(metadata_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise BundleError(f"{metadata_path}: not valid JSON ({error})") from error
+        if not isinstance(metadata, dict):
+            raise BundleError(f"{metadata_path}: expected a JSON object")
+        config_path = next((root / "configs" / n for n in INFERENCE_CONFIG_NAMES
+                            if (root / "configs" / n).is_file()), None)
+        if config_path is None:
+            raise BundleError(f"bundle {root}: no inference config; expected configs/"
+                              f"{' or configs/'.join(INFERENCE_CONFIG_NAMES)}")
+        weights_path = next((root / "models" / n for n in WEIGHT_NAMES if (root / "models" / n).is_file()), None)
+        if weights_path is None:
+            raise BundleError(f"bundle {root}: no weights; expected models/model.pt or models/model.ts")
+        return cls(root=root, metadata_path=metadata_path, config_path=config_path, weights_path=weights_path,
+                   metadata=metadata)

@@ -1,0 +1,175 @@
+"""Index a folder of DICOM files by study and series, reading headers only.
+
+Pixel data is never read here: each instance remembers where its Pixel Data element starts in the file, so
+that `medserve.dicom.volume` can read the pixels of the one series that is used, straight into the volume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pydicom
+from pydicom.dataset import Dataset
+from pydicom.errors import InvalidDicomError
+
+from medserve.errors import DicomInputError
+
+log = logging.getLogger("medserve.dicom.index")
+
+MEDIA_STORAGE_DIRECTORY_STORAGE = "1.2.840.10008.1.3.10"
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One DICOM file: its path, its header (no pixel data) and the file offset of its Pixel Data element."""
+
+    path: Path
+    dataset: Dataset
+    pixel_data_offset: int | None
+
+    @property
+    def number_of_frames(self) -> int:
+        return int(self.dataset.get("NumberOfFrames", 1) or 1)
+
+
+@dataclass
+class Series:
+    """The instances of one series, in the order they were found."""
+
+    study_uid: str
+    series_uid: str
+    instances: list[Instance] = field(default_factory=list)
+
+    @property
+    def header(self) -> Dataset:
+        """The first instance's header: series-level attributes are read from here."""
+        return self.instances[0].dataset
+
+    @property
+    def datasets(self) -> list[Dataset]:
+        return [instance.dataset for instance in self.instances]
+
+    @property
+    def modality(self) -> str:
+        return str(self.header.get("Modality", ""))
+
+    @property
+    def description(self) -> str:
+        return str(self.header.get("SeriesDescription", ""))
+
+    @property
+    def is_multiframe(self) -> bool:
+        return len(self.instances) == 1 and self.instances[0].number_of_frames > 1
+
+    def summary(self) -> str:
+        return (
+            f"series {self.series_uid} (Modality={self.modality or '?'}, "
+            f"SeriesDescription={self.description!r}, {len(self.instances)} instance(s))"
+        )
+
+
+@dataclass
+class Study:
+    study_uid: str
+    series: list[Series] = field(default_factory=list)
+
+
+@dataclass
+class StudyIndex:
+    """Everything found under a folder: studies with their series, and the files skipped with the reason."""
+
+    root: Path
+    studies: list[Study]
+    skipped: list[tuple[Path, str]]
+
+    @property
+    def all_series(self) -> list[Series]:
+        return [series for study in self.studies for series in study.series]
+
+    def describe(self) -> str:
+        """A multi-line listing of the series found, for error messages."""
+        lines = [f"  {series.summary()}" for series in self.all_series]
+        return "\n".join(lines) if lines else "  (no DICOM series)"
+
+
+def read_header(path: Path) -> Instance:
+    """Read one file's header, stopping before the pixel data; raise InvalidDicomError if it is not DICOM."""
+    with path.open("rb") as stream:
+        dataset = pydicom.dcmread(stream, stop_before_pixels=True)
+        # pydicom leaves the stream at the tag of the element it stopped before.
+        position = stream.tell()
+        at_pixel_data = stream.read(4) == b"\xe0\x7f\x10\x00"
+    return Instance(path=path, dataset=dataset, pixel_data_offset=position if at_pixel_data else None)
+
+
+def index_folder(folder: Path | str) -> StudyIndex:
+    """Index every DICOM file under `folder` (recursively) by StudyInstanceUID and SeriesInstanceUID.
+
+    Non-DICOM files and DICOMDIR files are skipped with a warning. A file that starts as DICOM but cannot be
+    parsed is an error: it would silently drop a slice from its series otherwise.
+    """
+    root = Path(folder)
+    if not root.exists():
+        raise DicomInputError(f"input folder {root} does not exist")
+    if not root.is_dir():
+        raise DicomInputError(f"input {root} is not a folder: expected a folder of DICOM files")
+    paths = sorted(Path(dirpath) / name for dirpath, _, names in os.walk(root) for name in names)
+    if not paths:
+        raise DicomInputError(f"input folder {root} is empty: expected DICOM files")
+
+    studies: dict[str, Study] = {}
+    series_by_uid: dict[str, Series] = {}
+    skipped: list[tuple[Path, str]] = []
+    for path in paths:
+        instance = _read_or_skip(path, skipped)
+        if instance is None:
+            continue
+        dataset = instance.dataset
+        study_uid = str(dataset.get("StudyInstanceUID", ""))
+        series_uid = str(dataset.get("SeriesInstanceUID", ""))
+        if not study_uid or not series_uid:
+            _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
+            continue
+        series = series_by_uid.get(series_uid)
+        if series is None:
+            series = series_by_uid[series_uid] = Series(study_uid=study_uid, series_uid=series_uid)
+            studies.setdefault(study_uid, Study(study_uid=study_uid)).series.append(series)
+        series.instances.append(instance)
+
+    if not studies:
+        reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
+        raise DicomInputError(f"no DICOM files found in {root} ({len(skipped)} file(s) skipped: {reasons})")
+    log.info("indexed folder", extra={"root": str(root), "series": len(series_by_uid), "skipped": len(skipped)})
+    return StudyIndex(root=root, studies=list(studies.values()), skipped=skipped)
+
+
+def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | None:
+    try:
+        instance = read_header(path)
+    except InvalidDicomError:
+        _skip(skipped, path, "not a DICOM file")
+        return None
+    except Exception as error:  # pydicom raises many types on damaged files
+        if _has_dicom_preamble(path):
+            raise DicomInputError(f"{path}: corrupt DICOM file ({type(error).__name__}: {error})") from error
+        _skip(skipped, path, "not a DICOM file")
+        return None
+    meta = getattr(instance.dataset, "file_meta", None)
+    if meta is not None and meta.get("MediaStorageSOPClassUID") == MEDIA_STORAGE_DIRECTORY_STORAGE:
+        _skip(skipped, path, "DICOMDIR (the folder is scanned directly instead)")
+        return None
+    return instance
+
+
+def _has_dicom_preamble(path: Path) -> bool:
+    with path.open("rb") as stream:
+        stream.seek(128)
+        return stream.read(4) == b"DICM"
+
+
+def _skip(skipped: list[tuple[Path, str]], path: Path, reason: str) -> None:
+    log.warning("skipping %s: %s", path, reason)
+    skipped.append((path, reason))

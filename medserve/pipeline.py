@@ -1,0 +1,121 @@
+"""The one path from a study to results, used by the App SDK operators' app, the server and the MAP runtime.
+
+study folder -> index -> select -> volume -> predictor -> label map in source geometry -> SEG (+ NIfTI)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import highdicom as hd
+import nibabel as nib
+import numpy as np
+
+from medserve.bundle.predictor import BundlePredictor
+from medserve.dicom.index import Series, index_folder
+from medserve.dicom.select import select_series
+from medserve.dicom.volume import ordered_instances, series_to_volume
+from medserve.errors import DicomInputError
+from medserve.writers.nifti import write_nifti
+from medserve.writers.seg import Algorithm, build_seg, write_seg
+
+log = logging.getLogger("medserve.pipeline")
+
+SEG_NAME = "seg.dcm"
+NIFTI_NAME = "labels.nii.gz"
+_RAS_TO_LPS = np.diag([-1.0, -1.0, 1.0, 1.0])
+
+
+@dataclass
+class StudyResult:
+    seg_path: Path | None
+    nifti_path: Path | None
+    study_uid: str | None
+    series_uid: str | None
+    segments: dict[str, int]
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        found = ", ".join(f"{name}: {voxels} voxels" for name, voxels in self.segments.items()) or "none"
+        total = sum(self.timings.values())
+        return f"{len(self.segments)} segment(s) found ({found}) in {total:.1f} s"
+
+
+def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, int]:
+    """Voxels per label present in the map, named by the bundle's labels."""
+    values, counts = np.unique(label_map, return_counts=True)
+    return {labels.get(int(v), f"label {int(v)}"): int(c) for v, c in zip(values, counts) if v != 0}
+
+
+def seg_source(series: Series) -> list[Any]:
+    """The datasets a SEG of `series` references, in the volume's slice order."""
+    return [instance.dataset for instance in ordered_instances(series)]
+
+
+def segmentation_of(series: Series, volume: hd.Volume, label_map: np.ndarray,
+                    predictor: BundlePredictor) -> hd.seg.Segmentation:
+    # A multi-frame source's frames need not be in volume order: highdicom maps a Volume onto them itself.
+    pixels = volume.with_array(label_map) if series.is_multiframe else label_map
+    return build_seg(pixels, seg_source(series), predictor.labels, Algorithm(predictor.name, predictor.version))
+
+
+def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path | str, *,
+              rules: dict[str, Any] | None = None, nifti: bool = True) -> StudyResult:
+    """Segment the first selected series of the study in `study_dir`; write `seg.dcm` (+ `labels.nii.gz`)."""
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 4)
+        clock = now
+
+    index = index_folder(study_dir)
+    selected = select_series(index, rules)[0].series
+    volume = series_to_volume(selected)
+    lap("load")
+    label_map = predictor.predict(volume)
+    lap("inference")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seg_path = write_seg(segmentation_of(selected, volume, label_map, predictor), out / SEG_NAME)
+    nifti_path = write_nifti(label_map, volume, out / NIFTI_NAME) if nifti else None
+    lap("write")
+    result = StudyResult(seg_path=seg_path, nifti_path=nifti_path, study_uid=selected.study_uid,
+                         series_uid=selected.series_uid, segments=segment_counts(label_map, predictor.labels),
+                         timings=timings)
+    log.info("study segmented", extra={"series": selected.series_uid, "segments": result.segments,
+                                       "timings": timings})
+    return result
+
+
+def volume_from_nifti(path: Path) -> hd.Volume:
+    """A NIfTI image as a (slice, row, column) LPS volume, the same convention as DICOM input."""
+    try:
+        image = nib.load(str(path))
+        array = np.asarray(image.dataobj, dtype=np.float32)
+    except Exception as error:  # nibabel raises ImageFileError, EOFError, zlib errors on damaged files
+        raise DicomInputError(f"{path}: not a readable NIfTI image ({error})") from error
+    if array.ndim != 3:
+        raise DicomInputError(f"{path}: NIfTI image has {array.ndim} dimensions; expected a 3D volume")
+    affine = _RAS_TO_LPS @ image.affine[:, [2, 1, 0, 3]]
+    return hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=affine,
+                     coordinate_system="PATIENT")
+
+
+def run_nifti(nifti_path: Path | str, predictor: BundlePredictor, out_dir: Path | str) -> StudyResult:
+    """Segment a NIfTI volume; the result is a NIfTI label map with the input's affine (no SEG without DICOM)."""
+    started = time.perf_counter()
+    volume = volume_from_nifti(Path(nifti_path))
+    label_map = predictor.predict(volume)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    nifti_out = write_nifti(label_map, volume, out / NIFTI_NAME)
+    return StudyResult(seg_path=None, nifti_path=nifti_out, study_uid=None, series_uid=None,
+                       segments=segment_counts(label_map, predictor.labels),
+                       timings={"total": round(time.perf_counter() - started, 4)})

@@ -1,0 +1,1 @@
+"""Result writers: DICOM SEG (`seg`, highdicom) and NIfTI label maps (`nifti`, nibabel)."""

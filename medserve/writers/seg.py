@@ -1,0 +1,98 @@
+"""DICOM SEG (highdicom) from a label map: one segment per bundle label, referencing the source series.
+
+Segment descriptions come from the bundle's metadata: each label name is looked up as a SNOMED CT anatomy
+concept ("spleen", "Right Kidney" -> Kidney, "inferior_vena_cava"), falling back to the generic "Tissue"
+concept when the name is not a known structure. Empty frames are omitted.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import highdicom as hd
+import numpy as np
+from pydicom.dataset import Dataset
+from pydicom.sr.codedict import codes
+from pydicom.uid import generate_uid
+
+import medserve
+
+_LATERALITY_WORDS = {"left", "right", "l", "r"}
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What produced the segmentation, recorded in every segment's algorithm identification."""
+
+    name: str
+    version: str
+
+
+def segment_concept(label: str) -> tuple[hd.sr.CodedConcept, hd.sr.CodedConcept]:
+    """(category, type) coded concepts for a label name: a SNOMED CT anatomy concept when one matches."""
+    words = [w for w in re.split(r"[^0-9A-Za-z]+", label) if w]
+    structure_words = [w for w in words if w.lower() not in _LATERALITY_WORDS]
+    keyword = "".join(w.capitalize() for w in structure_words)
+    try:
+        code = getattr(codes.SCT, keyword) if keyword else None
+    except AttributeError:
+        code = None
+    if code is None:
+        return codes.cid7150.Tissue, codes.SCT.Tissue
+    return codes.cid7150.AnatomicalStructure, code
+
+
+def segment_descriptions(labels: dict[int, str], numbers: list[int], algorithm: Algorithm) -> list[hd.seg.SegmentDescription]:
+    identification = hd.AlgorithmIdentificationSequence(
+        name=algorithm.name, version=algorithm.version or "0", family=codes.cid7162.ArtificialIntelligence)
+    descriptions = []
+    for number in numbers:
+        label = labels.get(number, f"label {number}")
+        category, kind = segment_concept(label)
+        descriptions.append(hd.seg.SegmentDescription(
+            segment_number=number,
+            segment_label=label[:64],
+            segmented_property_category=category,
+            segmented_property_type=kind,
+            algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
+            algorithm_identification=identification,
+        ))
+    return descriptions
+
+
+def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: dict[int, str],
+              algorithm: Algorithm, *, series_number: int = 900) -> hd.seg.Segmentation:
+    """A BINARY Segmentation of `label_map`: an array with one frame per `source` dataset in that order, or a
+    Volume that highdicom maps onto the source frames by position (multi-frame sources)."""
+    values = label_map.array if isinstance(label_map, hd.Volume) else label_map
+    numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
+    first = source[0]
+    return hd.seg.Segmentation(
+        source_images=source,
+        pixel_array=label_map,
+        segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
+        segment_descriptions=segment_descriptions(labels, numbers, algorithm),
+        series_instance_uid=generate_uid(),
+        series_number=series_number,
+        sop_instance_uid=generate_uid(),
+        instance_number=1,
+        manufacturer="medserve",
+        manufacturer_model_name=algorithm.name[:64],
+        software_versions=f"medserve {medserve.__version__}",
+        device_serial_number="0",
+        series_description=f"{algorithm.name} segmentation"[:64],
+        content_label="SEGMENTATION",
+        omit_empty_frames=True,
+        content_creator_name=None,
+        content_description=f"Segmentation of series {first.SeriesInstanceUID}"[:64],
+    )
+
+
+def write_seg(segmentation: hd.seg.Segmentation, path: Path) -> Path:
+    """Save atomically: a reader never sees a half-written file under the final name."""
+    partial = path.with_name(f".{path.name}.partial")
+    segmentation.save_as(partial)
+    partial.replace(path)
+    return path

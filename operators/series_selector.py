@@ -1,0 +1,65 @@
+"""SeriesSelectorOperator: choose series with the stock selector's rules JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
+from monai.deploy.core.domain.dicom_series import DICOMSeries
+from monai.deploy.core.domain.dicom_series_selection import SelectedSeries as SdkSelectedSeries
+from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
+from monai.deploy.core.domain.dicom_sop_instance import DICOMSOPInstance
+from monai.deploy.core.domain.dicom_study import DICOMStudy
+
+from medserve.dicom.select import SelectedSeries, load_rules, select_series
+from medserve.dicom.volume import ordered_instances
+from operators.failures import reports_failures
+
+
+class SeriesSelectorOperator(Operator):
+    """Select series by rules (same JSON and matching semantics as DICOMSeriesSelectorOperator).
+
+    Named input:
+        study_index: a StudyIndex from DicomLoaderOperator.
+
+    Named outputs:
+        selected_series: list of `medserve.dicom.select.SelectedSeries`, in selection order.
+        study_selected_series_list: optional; the same selection as the SDK's List[StudySelectedSeries] (headers only;
+            pixel data is read from the files on access), for stock operators such as the SEG writer.
+    """
+
+    def __init__(self, fragment: Fragment, *args, rules: str | Path | dict[str, Any] | None = None,
+                 all_matched: bool = False, **kwargs):
+        self.rules = load_rules(rules)
+        self.all_matched = all_matched
+        super().__init__(fragment, *args, **kwargs)
+
+    def setup(self, spec: OperatorSpec):
+        spec.input("study_index")
+        spec.output("selected_series")
+        spec.output("study_selected_series_list").condition(ConditionType.NONE)
+
+    @reports_failures
+    def compute(self, op_input, op_output, context):
+        selected = select_series(op_input.receive("study_index"), self.rules, all_matched=self.all_matched)
+        op_output.emit(selected, "selected_series")
+        op_output.emit(as_sdk_selection(selected), "study_selected_series_list")
+
+
+def as_sdk_selection(selected: list[SelectedSeries]) -> list[StudySelectedSeries]:
+    studies: dict[str, StudySelectedSeries] = {}
+    for choice in selected:
+        series = choice.series
+        if series.study_uid not in studies:
+            study = DICOMStudy(series.study_uid)
+            header = series.header
+            for keyword in ("StudyDate", "StudyTime", "StudyDescription", "AccessionNumber", "StudyID"):
+                setattr(study, keyword, header.get(keyword))
+            studies[series.study_uid] = StudySelectedSeries(study)
+        sdk_series = DICOMSeries(series.series_uid)
+        for instance in ordered_instances(series):
+            sdk_series.add_sop_instance(DICOMSOPInstance(instance.dataset))
+        studies[series.study_uid].study.add_series(sdk_series)
+        studies[series.study_uid].add_selected_series(SdkSelectedSeries(choice.name, sdk_series, None))
+    return list(studies.values())

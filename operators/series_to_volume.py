@@ -1,0 +1,68 @@
+"""SeriesToVolumeOperator: the first selected series as a volume with its patient-space geometry."""
+
+from __future__ import annotations
+
+import highdicom as hd
+import numpy as np
+from monai.deploy.core import ConditionType, Operator, OperatorSpec
+from monai.deploy.core.domain.image import Image
+
+from medserve.dicom.index import Series
+from medserve.dicom.volume import series_to_volume
+from medserve.writers.nifti import nifti_affine
+from operators.failures import reports_failures
+
+
+class SeriesToVolumeOperator(Operator):
+    """Read the first selected series' pixels into a float32 volume (modality units, slices along the normal).
+
+    Named input:
+        selected_series: list of SelectedSeries from SeriesSelectorOperator.
+
+    Named outputs:
+        volume: `highdicom.Volume`, array (slice, row, column), LPS affine.
+        series: the `medserve.dicom.index.Series` the volume came from (the SEG writer references it).
+        image: optional; the SDK `Image` the stock DICOMSeriesToVolumeOperator emits (DHW array, RAS "affine", the
+            spacing/direction metadata keys), for stock inference operators.
+    """
+
+    def setup(self, spec: OperatorSpec):
+        spec.input("selected_series")
+        spec.output("volume")
+        spec.output("series")
+        spec.output("image").condition(ConditionType.NONE)
+
+    @reports_failures
+    def compute(self, op_input, op_output, context):
+        choice = op_input.receive("selected_series")[0]
+        volume = series_to_volume(choice.series)
+        op_output.emit(volume, "volume")
+        op_output.emit(choice.series, "series")
+        op_output.emit(sdk_image(volume, choice.series, choice.name), "image")
+
+
+def sdk_image(volume: hd.Volume, series: Series, selection_name: str) -> Image:
+    """The metadata keys of the stock operator's Image, so that stock consumers find what they read."""
+    header = series.header
+    slice_vector, column_vector, row_vector = (volume.affine[:3, i] for i in range(3))
+    metadata = {
+        "SeriesInstanceUID": series.series_uid,
+        "StudyInstanceUID": series.study_uid,
+        "Modality": series.modality,
+        "SeriesDescription": series.description,
+        "SeriesDate": header.get("SeriesDate"),
+        "SeriesNumber": header.get("SeriesNumber"),
+        "PatientPosition": header.get("PatientPosition"),
+        "row_pixel_spacing": float(np.linalg.norm(column_vector)),
+        "col_pixel_spacing": float(np.linalg.norm(row_vector)),
+        "depth_pixel_spacing": float(np.linalg.norm(slice_vector)),
+        "row_direction_cosine": list(row_vector / np.linalg.norm(row_vector)),
+        "col_direction_cosine": list(column_vector / np.linalg.norm(column_vector)),
+        "depth_direction_cosine": list(slice_vector / np.linalg.norm(slice_vector)),
+        "dicom_affine_transform": volume.affine[:, [2, 1, 0, 3]],
+        "nifti_affine_transform": nifti_affine(volume),
+        "affine": nifti_affine(volume),
+        "space": "RAS",
+        "selection_name": selection_name,
+    }
+    return Image(volume.array, metadata={k: v for k, v in metadata.items() if v is not None})
