@@ -293,3 +293,15 @@ def _truncate(handle: Any, offset: int) -> None:
     handle.flush()
     handle.truncate(offset)
     os.fsync(handle.fileno())
+
+
+@router.delete("/{upload_id}", dependencies=[Depends(require("infer"))], status_code=204)
+async def terminate(request: Request, upload_id: str) -> Response:
+    """Termination extension: the upload and its bytes are gone; later requests get 404."""
+    _check_version(request)
+    store = _uploads(request)
+    store.info(upload_id)
+    if store.lock(upload_id).locked():
+        raise ApiError(423, "upload_locked", "a PATCH is writing this upload", {"Tus-Resumable": TUS_VERSION})
+    store.delete(upload_id)
+    return Response(status_code=204, headers=_tus_headers())

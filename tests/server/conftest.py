@@ -1,0 +1,165 @@
+"""Fixtures for the server tests: real HTTP on 127.0.0.1 (uvicorn in a thread, or `medserve serve` as a
+subprocess where a crash is part of the test), the real demo bundle copied into a temporary store, the demo
+study and small CT studies written by medserve.demo."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+
+from medserve.server.app import create_app
+from medserve.server.config import ServerConfig
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO_BUNDLE = REPO / "bundles" / "demo_organ_seg"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 60.0, path: str = "/readyz") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url}{path} not ready after {timeout} s")
+
+
+class ServerThread:
+    """create_app + uvicorn.Server in a background thread of the test process."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.app = create_app(config)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=config.port,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.url = f"http://127.0.0.1:{config.port}"
+
+    @property
+    def store(self):  # noqa: ANN201
+        return self.app.state.store
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        wait_http(self.url)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+class ServerProcess:
+    """`medserve serve` as a child process (killable with SIGKILL)."""
+
+    def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.args = [sys.executable, "-m", "medserve.cli", "serve", "--port", str(port), *args]
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90.0) -> ServerProcess:
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     cwd=REPO)
+        try:
+            wait_http(self.url, timeout)
+        except TimeoutError:
+            self.kill()
+            out = self.proc.stdout.read().decode() if self.proc.stdout else ""
+            raise TimeoutError(f"server did not start: {out[-3000:]}") from None
+        return self
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=20)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    store.mkdir()
+    return store
+
+
+def add_bundle(store: Path, name: str = "demo", source: Path = DEMO_BUNDLE) -> Path:
+    target = store / name
+    shutil.copytree(source, target)
+    return target
+
+
+@pytest.fixture
+def base_config(tmp_path: Path, store_dir: Path) -> ServerConfig:
+    return ServerConfig(store=store_dir, data_dir=tmp_path / "data", port=free_port(), poll_interval=0.2,
+                        stable_seconds=0.6, device="cpu")
+
+
+@pytest.fixture
+def make_server(base_config: ServerConfig) -> Iterator:
+    started: list[ServerThread] = []
+
+    def make(**overrides: object) -> ServerThread:
+        server = ServerThread(replace(base_config, **overrides)).__enter__()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def demo_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from medserve.demo.study import write_demo_study
+
+    out = tmp_path_factory.mktemp("demo") / "study"
+    write_demo_study(out)
+    return out
+
+
+def small_study(out: Path, size: int = 24, slices: int = 12, seed: int = 0) -> Path:
+    """A small CT series (a bright blob in soft tissue) that runs through the demo bundle in a fraction of the
+    demo study's time; for the load and concurrency tests."""
+    from medserve.demo.study import SeriesGeometry, write_ct_series
+
+    rng = np.random.default_rng(seed)
+    hu = rng.normal(40, 10, (slices, size, size))
+    zz, yy, xx = np.mgrid[:slices, :size, :size]
+    hu[(zz - slices / 2) ** 2 / 9 + (yy - size / 2) ** 2 / 16 + (xx - size / 2) ** 2 / 16 < 4] = 250
+    write_ct_series(hu, out, SeriesGeometry(pixel_spacing=(4.0, 4.0), slice_spacing=4.0))
+    return out
+
+
+def multipart_files(folder: Path) -> list[tuple[str, tuple[str, bytes, str]]]:
+    return [("files", (p.name, p.read_bytes(), "application/dicom")) for p in sorted(folder.iterdir())]

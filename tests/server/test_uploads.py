@@ -1,0 +1,133 @@
+"""tus 1.0.0 at /v1/uploads, exercised with the real tuspy client and with raw requests for the error cases."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from tusclient import client as tus
+from tusclient.storage.filestorage import FileStorage
+
+from tests.server.conftest import add_bundle
+
+TUS = {"Tus-Resumable": "1.0.0"}
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _upload_file(server, upload_id: str) -> Path:
+    return server.config.uploads_dir / f"{upload_id}.bin"
+
+
+def test_options_advertises_extensions(make_server) -> None:
+    server = make_server()
+    r = httpx.options(server.url + "/v1/uploads")
+    assert r.status_code == 204
+    assert set(r.headers["Tus-Extension"].split(",")) >= {"creation", "termination", "expiration", "checksum"}
+    assert "sha1" in r.headers["Tus-Checksum-Algorithm"]
+
+
+def test_tuspy_upload_cut_and_resume(make_server, tmp_path: Path) -> None:
+    server = make_server()
+    data = tmp_path / "blob.bin"
+    data.write_bytes(os.urandom(5 * 1024 * 1024 + 123))
+    storage = FileStorage(str(tmp_path / "urls.json"))
+    client = tus.TusClient(server.url + "/v1/uploads")
+    first = client.uploader(str(data), chunk_size=1024 * 1024, store_url=True, url_storage=storage,
+                            upload_checksum=True)
+    first.upload(stop_at=2 * 1024 * 1024)
+    upload_url = first.url
+    assert first.offset == 2 * 1024 * 1024
+
+    # Cut the connection in the middle of a PATCH: the client sends 1.5 MiB of a 3 MiB chunk, then dies.
+    body = data.read_bytes()[first.offset:first.offset + 3 * 1024 * 1024]
+
+    def dying_body():
+        yield body[:1024 * 1024]
+        yield body[1024 * 1024:1536 * 1024]
+        raise ConnectionResetError("simulated network cut")
+
+    with pytest.raises(Exception):
+        httpx.patch(upload_url, content=dying_body(), timeout=10, headers={
+            **TUS, "Upload-Offset": str(first.offset), "Content-Type": "application/offset+octet-stream",
+            "Content-Length": str(len(body))})
+    # What arrived before the cut is kept (no checksum on that request): the offset moved past 2 MiB.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        offset = int(httpx.head(upload_url, headers=TUS).headers["Upload-Offset"])
+        if offset > 2 * 1024 * 1024:
+            break
+        time.sleep(0.1)
+    assert 2 * 1024 * 1024 < offset < 5 * 1024 * 1024
+
+    # A new uploader (a new process, say) finds the URL in its storage, asks the offset and finishes.
+    resumed = client.uploader(str(data), chunk_size=1024 * 1024, store_url=True, url_storage=storage,
+                              upload_checksum=True)
+    assert resumed.url == upload_url and resumed.offset == offset
+    resumed.upload()
+    upload_id = upload_url.rsplit("/", 1)[-1]
+    assert _sha256(_upload_file(server, upload_id)) == _sha256(data)
+    info = httpx.get(upload_url).json()
+    assert info["complete"] and info["length"] == data.stat().st_size
+
+
+def _create(server, length: int, **headers: str) -> str:
+    r = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Upload-Length": str(length),
+                                                       "Upload-Metadata": "filename " +
+                                                       base64.b64encode(b"x.zip").decode(), **headers})
+    assert r.status_code == 201, r.text
+    assert r.headers["Upload-Expires"]
+    return r.headers["Location"]
+
+
+def _patch(url: str, data: bytes, offset: int, **headers: str) -> httpx.Response:
+    return httpx.patch(url, content=data, headers={**TUS, "Upload-Offset": str(offset),
+                                                   "Content-Type": "application/offset+octet-stream", **headers})
+
+
+def test_protocol_errors(make_server) -> None:
+    server = make_server(max_upload_bytes=1000)
+    url = _create(server, 10)
+    # wrong offset -> 409, missing Tus-Resumable -> 412, wrong content type -> 415
+    assert _patch(url, b"abc", 5).status_code == 409
+    assert httpx.patch(url, content=b"a", headers={"Upload-Offset": "0",
+                                                   "Content-Type": "application/offset+octet-stream"}).status_code == 412
+    assert httpx.patch(url, content=b"a", headers={**TUS, "Upload-Offset": "0"}).status_code == 415
+    # checksum mismatch -> 460 and nothing kept; correct checksum -> 204
+    bad = "sha1 " + base64.b64encode(hashlib.sha1(b"other").digest()).decode()
+    r = _patch(url, b"hello", 0, **{"Upload-Checksum": bad})
+    assert r.status_code == 460 and r.json()["error"] == "checksum_mismatch"
+    assert httpx.head(url, headers=TUS).headers["Upload-Offset"] == "0"
+    good = "sha1 " + base64.b64encode(hashlib.sha1(b"hello").digest()).decode()
+    r = _patch(url, b"hello", 0, **{"Upload-Checksum": good})
+    assert r.status_code == 204 and r.headers["Upload-Offset"] == "5"
+    # more bytes than declared -> 413, offset unchanged
+    r = _patch(url, b"0123456789", 5)
+    assert r.status_code == 413 and r.json()["error"] == "upload_too_long"
+    assert httpx.head(url, headers=TUS).headers["Upload-Offset"] == "5"
+    # declared length over the limit -> 413 at creation
+    r = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Upload-Length": "1001"})
+    assert r.status_code == 413
+    # an incomplete upload cannot be used as an input
+    add_bundle(server.config.store, "m")
+    server.store.wait_until("m", ("loaded",), 30)
+    r = httpx.post(server.url + "/v1/models/m/infer", json={"upload": url.rsplit("/", 1)[-1]})
+    assert r.status_code == 409 and r.json()["error"] == "upload_incomplete"
+    # termination
+    assert httpx.delete(url, headers=TUS).status_code == 204
+    assert httpx.head(url, headers=TUS).status_code == 404
+
+
+def test_expiration(make_server) -> None:
+    server = make_server(upload_expiry_seconds=0.5)
+    url = _create(server, 4)
+    time.sleep(0.8)
+    assert httpx.head(url, headers=TUS).status_code == 410
+    assert not list(server.config.uploads_dir.glob("*.bin"))
