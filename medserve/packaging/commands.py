@@ -109,7 +109,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", help="'all' or a count; default: what pkg.json asks for, if the host has GPUs")
     p.add_argument("--config", type=Path, help="replace the packaged app.yaml")
     p.add_argument("--engine", choices=["auto", "podman", "docker"], default="auto")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the app")
+    p.add_argument("args", nargs="*", help="arguments passed to the app (after --)")
     p.set_defaults(handler=_run)
 
     p = subparsers.add_parser("inspect", help="print a MAP's manifests and labels as JSON")

@@ -107,9 +107,10 @@ def wheel_dir_for() -> Callable[[Path], Path]:
             target.mkdir(parents=True, exist_ok=True)
             spec = target / "requirements.txt"
             spec.write_text(text)
-            # The CPU variant: torch from the CPU wheel index (or the host's local CPU wheel).
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(target), "-r", str(spec),
-                            "--extra-index-url", "https://download.pytorch.org/whl/cpu"], check=True)
+            # The host's pip config decides the index; for the CPU variant it must offer torch+cpu (a local
+            # wheel, or --extra-index-url https://download.pytorch.org/whl/cpu in pip.conf).
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(target), "-r", str(spec)],
+                           check=True)
             (target / ".complete").write_text("")
         cache[requirements] = target
         return target
@@ -125,3 +126,18 @@ def podman(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 def remove_image(tag: str) -> None:
     podman("rmi", "-f", tag)
+
+
+def podman_run(image: str, *args: str, entrypoint: str | None = None,
+               volumes: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`podman run` as medserve runs MAPs here: runc, no network, ulimits runc may set in a CI sandbox."""
+    from medserve.packaging.run import ULIMITS
+
+    argv = ["--runtime", "runc", "run", "--rm", "--network", "none"]
+    for limit in ULIMITS:
+        argv += ["--ulimit", limit]
+    for volume in volumes:
+        argv += ["-v", volume]
+    if entrypoint is not None:
+        argv += ["--entrypoint", entrypoint]
+    return podman(*argv, image, *args)

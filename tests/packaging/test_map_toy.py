@@ -1,0 +1,217 @@
+"""A small MAP built for real with buildah (overlay, chroot isolation) from the local base image, then
+inspected, run with podman (runc), pushed to and pulled from a loopback registry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, podman, podman_run, remove_image
+from medserve.cli import main as cli_main
+from medserve.errors import PackagingError
+from medserve.packaging import registry as reg
+from medserve.packaging.build import PackageRequest, package
+from medserve.packaging.run import RunRequest, inspect, run
+
+TAG = "localhost/medserve-test-toy:0.3"
+APP = '''\
+import os, pathlib, yaml
+out = pathlib.Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
+inp = pathlib.Path(os.environ["HOLOSCAN_INPUT_PATH"])
+models = sorted(os.listdir(os.environ["HOLOSCAN_MODEL_PATH"]))
+config = yaml.safe_load(open(os.environ["HOLOSCAN_CONFIG_PATH"]))
+(out / "result.json").write_text(yaml.safe_dump({"inputs": sorted(p.name for p in inp.iterdir()),
+    "models": models, "title": config["application"]["title"], "cwd": os.getcwd()}))
+'''
+CONFIG = """\
+application:
+  title: Toy MAP
+  version: "0.3"
+  input-formats: ["file"]
+  output-formats: ["file"]
+resources:
+  cpu: 1
+  gpu: 0
+  memory: 1Gi
+"""
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("toy")
+    (root / "app").mkdir()
+    (root / "app" / "app.py").write_text(APP)
+    (root / "app" / "requirements.txt").write_text("pyyaml==6.0.4\n")
+    (root / "app.yaml").write_text(CONFIG)
+    bundle = root / "toy_bundle"
+    (bundle / "configs").mkdir(parents=True)
+    (bundle / "models").mkdir()
+    (bundle / "configs" / "metadata.json").write_text("{}")
+    (bundle / "models" / "model.pt").write_bytes(b"not really weights")
+    (root / "docs").mkdir()
+    (root / "docs" / "README.md").write_text("toy docs\n")
+    wheels = root / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels), "pyyaml==6.0.4"], check=True)
+    return {"root": root, "app": root / "app", "config": root / "app.yaml", "models": bundle, "wheels": wheels,
+            "docs": root / "docs"}
+
+
+@pytest.fixture(scope="session")
+def toy_image(base_image: str, toy: dict[str, Path]) -> str:
+    remove_image(TAG)
+    result = package(PackageRequest(toy["app"], toy["config"], TAG, models=toy["models"], base_image=base_image,
+                                    builder="buildah", wheel_dir=toy["wheels"], variant="cpu", docs=toy["docs"]))
+    assert result.builder == "buildah" and result.variant == "cpu"
+    yield TAG
+    remove_image(TAG)
+
+
+def test_layout_manifests_labels_env(toy_image: str) -> None:
+    info = inspect(toy_image, "podman")
+    assert info["labels"]["org.opencontainers.image.title"] == "Toy MAP"
+    assert info["labels"]["org.opencontainers.image.version"] == "0.3"
+    assert info["labels"]["org.monai.deploy.app-sdk"] and info["labels"]["org.nvidia.holoscan"]
+    assert info["app.json"]["command"] == '["python3", "/opt/holoscan/app/app.py"]'
+    assert info["app.json"]["input"] == {"path": "input/", "formats": ["file"]}
+    assert info["pkg.json"]["models"] == {"toy_bundle": "/opt/holoscan/models/toy_bundle"}
+    assert info["pkg.json"]["resources"] == {"cpu": 1, "gpu": 0, "memory": "1Gi"}
+
+    config = json.loads(podman("image", "inspect", toy_image).stdout)[0]["Config"]
+    env = dict(item.split("=", 1) for item in config["Env"])
+    assert env["HOLOSCAN_INPUT_PATH"] == "/var/holoscan/input"
+    assert env["HOLOSCAN_MODEL_PATH"] == "/opt/holoscan/models"
+    for name in ("OUTPUT_PATH", "WORKDIR", "APPLICATION", "TIMEOUT", "DOCS_PATH", "CONFIG_PATH",
+                 "APP_MANIFEST_PATH", "PKG_MANIFEST_PATH", "LOGS_PATH", "VERSION"):
+        assert f"HOLOSCAN_{name}" in env
+    assert config["Entrypoint"] == ["/var/holoscan/tools"]
+    assert config["WorkingDir"].rstrip("/") == "/var/holoscan"
+
+    listing = podman_run(toy_image,
+                     "/opt/holoscan/app", "/opt/holoscan/models", "/opt/holoscan/docs", "/opt/holoscan/lib/medserve",
+                     "/var/holoscan", "-maxdepth", "3", entrypoint="find").stdout.split()
+    for path in ("/opt/holoscan/app/app.py", "/opt/holoscan/models/toy_bundle/models/model.pt",
+                 "/opt/holoscan/docs/README.md", "/opt/holoscan/lib/medserve/errors.py", "/var/holoscan/app.yaml",
+                 "/var/holoscan/input", "/var/holoscan/output", "/var/holoscan/tools"):
+        assert path in listing, path
+    # the CA bundle and wheels were mounted into the pip step only, never copied into the image
+    assert podman_run(toy_image, "/tmp/pip", entrypoint="ls").returncode != 0
+    assert podman_run(toy_image, "/opt/holoscan/app", entrypoint="ls").returncode == 0
+
+
+def _tools(image: str, *args: str, volumes: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    return podman_run(image, *args, volumes=volumes)
+
+
+def test_entrypoint_show_env_extract(toy_image: str, tmp_path: Path) -> None:
+    shown = _tools(toy_image, "show", "pkg")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout[shown.stdout.index("{"):])["models"] == {
+        "toy_bundle": "/opt/holoscan/models/toy_bundle"}
+    env = _tools(toy_image, "env").stdout
+    assert "HOLOSCAN_APP_MANIFEST_PATH=/etc/holoscan/app.json" in env
+    export = tmp_path / "export"
+    export.mkdir()
+    export.chmod(0o777)  # the image's holoscan user (UID 1000) writes there, as with the official image
+    result = _tools(toy_image, "extract", volumes=(f"{export}:/var/run/holoscan/export",))
+    assert result.returncode == 0, result.stderr
+    assert (export / "app" / "app.py").is_file()
+    assert json.loads((export / "config" / "app.json").read_text())["version"] == "0.3"
+    assert (export / "config" / "app.yaml").is_file()
+    assert (export / "models" / "toy_bundle" / "models" / "model.pt").read_bytes() == b"not really weights"
+    assert (export / "docs" / "README.md").is_file()
+
+
+def test_run_mounts_input_output(toy_image: str, tmp_path: Path) -> None:
+    import yaml
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.dcm").write_bytes(b"x")
+    (tmp_path / "in" / "b.dcm").write_bytes(b"y")
+    assert run(RunRequest(toy_image, tmp_path / "in", tmp_path / "out", engine="podman")) == 0
+    result = yaml.safe_load((tmp_path / "out" / "result.json").read_text())
+    assert result == {"inputs": ["a.dcm", "b.dcm"], "models": ["toy_bundle"], "title": "Toy MAP",
+                      "cwd": "/var/holoscan"}
+
+
+def test_cli_run_missing_input(toy_image: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["run", toy_image, "-i", str(tmp_path / "absent"), "-o", str(tmp_path / "out")]) == 2
+    assert "input folder not found" in capsys.readouterr().err
+
+
+def test_rebuild_reuses_dependency_layer(toy_image: str, toy: dict[str, Path], base_image: str) -> None:
+    """Changing only the app must not reinstall the Python environment (the slow layer)."""
+    def layers(tag: str) -> list[str]:
+        return json.loads(podman("image", "inspect", tag).stdout)[0]["RootFS"]["Layers"]
+
+    app2 = toy["root"] / "app2"
+    app2.mkdir(exist_ok=True)
+    (app2 / "app.py").write_text(APP + "# changed\n")
+    (app2 / "requirements.txt").write_text("pyyaml==6.0.4\n")
+    tag = "localhost/medserve-test-toy:changed"
+    try:
+        result = package(PackageRequest(app2, toy["config"], tag, models=toy["models"], base_image=base_image,
+                                        builder="buildah", wheel_dir=toy["wheels"], variant="cpu", docs=toy["docs"]))
+        old, new = layers(toy_image), layers(tag)
+        assert old[:3] == new[:3]  # base, user/dirs, venv
+        assert old[-1] != new[-1]  # the app layer
+        assert result.seconds < 60
+    finally:
+        remove_image(tag)
+
+
+def test_push_pull_digests_match_and_run_from_registry(toy_image: str, registry, tmp_path: Path) -> None:
+    host = registry()
+    reference = f"{host}/medserve/toy:0.3"
+    digest = reg.push(toy_image, reference, "buildah")
+    assert digest.startswith("sha256:")
+    assert reg.remote_digest(reference) == digest
+    catalog = json.load(__import__("urllib.request").request.urlopen(f"http://{host}/v2/_catalog"))
+    assert "medserve/toy" in catalog["repositories"]
+    remove_image(reference)
+    reg.pull(reference, "podman")
+    repo_digests = json.loads(podman("image", "inspect", reference).stdout)[0]["RepoDigests"]
+    assert f"{host}/medserve/toy@{digest}" in repo_digests
+    # and it runs straight from the plain-HTTP registry, no extra flags
+    remove_image(reference)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x").write_bytes(b"1")
+    assert cli_main(["run", reference, "-i", str(tmp_path / "in"), "-o", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "result.json").is_file()
+    remove_image(reference)
+
+
+def test_push_unreachable_registry(toy_image: str) -> None:
+    port = free_port()  # nothing listens there
+    with pytest.raises(PackagingError, match=rf"registry 127.0.0.1:{port} is unreachable"):
+        reg.push(toy_image, f"127.0.0.1:{port}/medserve/toy:0.3", "buildah")
+
+
+def test_push_credentials(toy_image: str, registry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    host = registry(users={"alice": "correct-horse"})
+    reference = f"{host}/medserve/toy:0.3"
+    with pytest.raises(PackagingError, match="rejected no credentials"):
+        reg.push(toy_image, reference, "buildah")
+    monkeypatch.setenv("MEDSERVE_REGISTRY_USER", "alice")
+    monkeypatch.setenv("MEDSERVE_REGISTRY_PASSWORD", "wrong-password")
+    with pytest.raises(PackagingError, match="rejected credentials from MEDSERVE_REGISTRY_USER/MEDSERVE_REGISTRY_PASSWORD"):
+        reg.push(toy_image, reference, "buildah")
+    monkeypatch.setenv("MEDSERVE_REGISTRY_PASSWORD", "correct-horse")
+    digest = reg.push(toy_image, reference, "buildah")
+    assert reg.remote_digest(reference) == digest
+    # the token never lands in the usual auth files
+    for auth in (Path.home() / ".config/containers/auth.json", Path("/run/containers/0/auth.json"),
+                 Path.home() / ".docker/config.json"):
+        assert not auth.exists() or "correct-horse" not in auth.read_text()
+
+
+def test_ghcr_credentials_from_env() -> None:
+    env = {"GHCR_USER": "octo", "GHCR_TOKEN": "t0k"}
+    creds = reg.credentials_from_env("ghcr.io", env)
+    assert creds is not None and (creds.username, creds.password) == ("octo", "t0k")
+    assert reg.credentials_from_env("quay.io", env) is None
+    actions = reg.credentials_from_env("ghcr.io", {"GITHUB_ACTOR": "bot", "GITHUB_TOKEN": "x"})
+    assert actions is not None and actions.source == "GITHUB_ACTOR/GITHUB_TOKEN"
