@@ -93,14 +93,12 @@ def registry(container_tools: None, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(scope="session")
-def wheel_dir_for() -> Callable[[Path], Path]:
-    """Wheels for a requirements file, downloaded once with the host's pip config (its local indexes too)."""
-    cache: dict[Path, Path] = {}
+def wheel_dir_for() -> Callable[[list[str]], Path]:
+    """Wheels for a MAP's requirement lines, downloaded once with the host's pip config (its local indexes too),
+    kept under ~/.cache/medserve keyed by the requirements."""
 
-    def get(requirements: Path) -> Path:
-        if requirements in cache:
-            return cache[requirements]
-        text = requirements.read_text() + "\nnvidia-cuda-runtime==13.0.*\n"
+    def get(requirements: list[str]) -> Path:
+        text = "\n".join(requirements) + "\n"
         key = hashlib.sha256(text.encode()).hexdigest()[:12]
         target = Path.home() / ".cache" / "medserve" / f"wheels-{key}"
         if not (target / ".complete").exists():
@@ -112,7 +110,6 @@ def wheel_dir_for() -> Callable[[Path], Path]:
             subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(target), "-r", str(spec)],
                            check=True)
             (target / ".complete").write_text("")
-        cache[requirements] = target
         return target
 
     return get
