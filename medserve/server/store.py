@@ -263,8 +263,8 @@ class ModelStore:
         if "all" in preload or entry.name in preload:
             return True
         # Load right away when it fits without evicting anything: broken bundles then show as `failed` early.
-        loaded = [e for e in self._entries.values() if e.predictor is not None]
-        return self.config.max_models is None or len(loaded) < self.config.max_models
+        busy = [e for e in self._entries.values() if e.predictor is not None or e.state == "loading"]
+        return self.config.max_models is None or len(busy) < self.config.max_models
 
     def _load_safely(self, name: str, fp: Fingerprint) -> None:
         try:

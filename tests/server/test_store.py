@@ -1,0 +1,170 @@
+"""The watched store while requests are in flight: drop, half-copy, broken, replace, remove, LRU, admission."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import DEMO_BUNDLE, add_bundle, multipart_files, small_study
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_study(tmp_path_factory.mktemp("small") / "study")
+
+
+class Hammer:
+    """Background clients sending requests to one model until stopped; records every status."""
+
+    def __init__(self, url: str, model: str, study: Path, clients: int = 2) -> None:
+        self.url, self.model = url, model
+        self.files = multipart_files(study)
+        self.statuses: list[int] = []
+        self.versions: list[str] = []
+        self._stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(clients)]
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not self._stop.is_set():
+                r = client.post(f"{self.url}/v1/models/{self.model}/infer", files=self.files)
+                self.statuses.append(r.status_code)
+
+    def __enter__(self) -> Hammer:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self.threads:
+            t.join(timeout=120)
+
+
+def _models(url: str) -> dict[str, dict]:
+    return {m["name"]: m for m in httpx.get(url + "/v1/models").json()["models"]}
+
+
+def test_drop_half_copy_broken_replace_remove(make_server, study: Path, tmp_path: Path) -> None:
+    server = make_server(stable_seconds=1.5)
+    store, url = server.config.store, server.url
+    add_bundle(store, "a")
+    server.store.wait_until("a", ("loaded",), 30)
+    with Hammer(url, "a", study) as hammer:
+        # Half copy: a bundle whose weights arrive in pieces (pauses below the 1.5 s rule) is never loaded.
+        slow = store / "b"
+        shutil.copytree(DEMO_BUNDLE / "configs", slow / "configs")
+        (slow / "models").mkdir()
+        # A separate process writes the weights in pieces with 0.3 s pauses (a thread of this process could
+        # be starved of the GIL by the in-process server and pause longer than the rule allows).
+        script = ("import sys, time\n"
+                  "data = open(sys.argv[1], 'rb').read(); piece = len(data) // 6 + 1\n"
+                  "with open(sys.argv[2], 'wb') as out:\n"
+                  "    for i in range(0, len(data), piece):\n"
+                  "        out.write(data[i:i + piece]); out.flush(); time.sleep(0.3)\n")
+        writer = subprocess.Popen([sys.executable, "-c", script, str(DEMO_BUNDLE / "models" / "model.pt"),
+                                   str(slow / "models" / "model.pt")])
+        writer.is_alive = lambda: writer.poll() is None  # type: ignore[attr-defined]
+        while writer.is_alive():
+            state = _models(url).get("b", {}).get("state")
+            assert state in (None, "copying"), state
+            r = httpx.post(url + "/v1/models/b/infer", files=multipart_files(study))
+            assert r.status_code in (404, 503), r.text
+            time.sleep(0.1)
+        assert writer.wait(timeout=30) == 0
+        server.store.wait_until("b", ("loaded",), 30)
+        assert httpx.post(url + "/v1/models/b/infer", files=multipart_files(study), timeout=120).status_code == 200
+
+        # Broken: garbage weights -> failed with a reason; a is unaffected.
+        broken = store / "broken"
+        shutil.copytree(DEMO_BUNDLE, broken)
+        (broken / "models" / "model.pt").write_bytes(b"not a torch file")
+        entry = server.store.wait_until("broken", ("failed",), 30)
+        assert entry.error
+        info = _models(url)["broken"]
+        assert info["state"] == "failed" and info["error"]
+        r = httpx.post(url + "/v1/models/broken/infer", files=multipart_files(study))
+        assert r.status_code == 409 and r.json()["error"] == "model_failed"
+
+        # Replace a while it serves: new metadata version; old keeps serving until the new one is loaded.
+        meta_path = store / "a" / "configs" / "metadata.json"
+        meta = json.loads(meta_path.read_text())
+        meta["version"] = "9.9.9"
+        meta_path.write_text(json.dumps(meta))
+        deadline = time.monotonic() + 30
+        while _models(url)["a"]["version"] != "9.9.9" or server.store.entry("a").reloading:
+            assert time.monotonic() < deadline, "replacement not picked up"
+            time.sleep(0.1)
+        assert _models(url)["a"]["state"] == "loaded"
+
+        # Remove b while a request on it is in flight: the request completes, then b is gone.
+        result: dict[str, int] = {}
+        inflight = threading.Thread(target=lambda: result.setdefault("status", httpx.post(
+            url + "/v1/models/b/infer", files=multipart_files(study), timeout=120).status_code))
+        inflight.start()
+        time.sleep(0.05)
+        shutil.rmtree(store / "b")
+        inflight.join(timeout=120)
+        assert result["status"] in (200, 404)
+        deadline = time.monotonic() + 10
+        while "b" in _models(url):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert httpx.post(url + "/v1/models/b/infer", files=multipart_files(study)).status_code == 404
+    assert hammer.statuses and set(hammer.statuses) == {200}, hammer.statuses
+
+
+def test_lru_budget_and_admin(make_server, study: Path) -> None:
+    server = make_server(max_models=1)
+    store, url = server.config.store, server.url
+    add_bundle(store, "a")
+    add_bundle(store, "b")
+    deadline = time.monotonic() + 30
+    while True:
+        models = _models(url)
+        if len(models) == 2 and all(m["state"] in ("loaded", "available", "unloaded") for m in models.values()):
+            break
+        assert time.monotonic() < deadline, models
+        time.sleep(0.1)
+    for name in ("a", "b", "a"):
+        r = httpx.post(f"{url}/v1/models/{name}/infer", files=multipart_files(study), timeout=120)
+        assert r.status_code == 200, (r.text, _models(url))
+        models = _models(url)
+        assert models[name]["loaded"] and sum(m["loaded"] for m in models.values()) == 1
+    # admin load/unload
+    assert httpx.post(url + "/v1/models/a/unload").json()["loaded"] is False
+    loaded = httpx.post(url + "/v1/models/b/load", timeout=60).json()
+    assert loaded["loaded"] and loaded["memory_bytes"] > 0 and loaded["device"] == "cpu"
+    metrics = httpx.get(url + "/metrics").text
+    assert "medserve_models_loaded 1.0" in metrics
+    assert 'medserve_requests_total{endpoint="v1",model="a",status="200"} 2.0' in metrics
+    assert "medserve_queue_seconds_bucket" in metrics and 'medserve_jobs{state="queued"}' in metrics
+
+
+def test_full_queue_gives_429(make_server, study: Path) -> None:
+    server = make_server(concurrency=1, queue_size=1)
+    add_bundle(server.config.store, "a")
+    server.store.wait_until("a", ("loaded",), 30)
+    files = multipart_files(study)
+    statuses: list[httpx.Response] = []
+
+    def call() -> None:
+        statuses.append(httpx.post(server.url + "/v1/models/a/infer", files=files, timeout=120))
+
+    threads = [threading.Thread(target=call) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    codes = sorted(r.status_code for r in statuses)
+    assert 200 in codes and 429 in codes, codes
+    refused = next(r for r in statuses if r.status_code == 429)
+    assert refused.headers["Retry-After"] and refused.json()["error"] == "queue_full"
