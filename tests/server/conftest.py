@@ -113,9 +113,24 @@ def store_dir(tmp_path: Path) -> Path:
     return store
 
 
-def add_bundle(store: Path, name: str = "demo", source: Path = DEMO_BUNDLE) -> Path:
+_SNAPSHOT: list[Path] = []
+
+
+def bundle_snapshot() -> Path:
+    """One copy of the demo bundle per test session, so that the tests never see it half-rewritten (e.g. by
+    `make train-demo` running beside them)."""
+    if not _SNAPSHOT:
+        import tempfile
+
+        target = Path(tempfile.mkdtemp(prefix="medserve-bundle-")) / "demo_organ_seg"
+        shutil.copytree(DEMO_BUNDLE, target)
+        _SNAPSHOT.append(target)
+    return _SNAPSHOT[0]
+
+
+def add_bundle(store: Path, name: str = "demo", source: Path | None = None) -> Path:
     target = store / name
-    shutil.copytree(source, target)
+    shutil.copytree(source or bundle_snapshot(), target)
     return target
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pydicom
 import pytest
 
-from tests.server.conftest import DEMO_BUNDLE, REPO, add_bundle, multipart_files
+from tests.server.conftest import REPO, add_bundle, bundle_snapshot, multipart_files
 
 TUS = {"Tus-Resumable": "1.0.0"}
 
@@ -55,7 +55,7 @@ def test_seg_matches_bundle_seg_app(demo_server, demo_study: Path, tmp_path: Pat
     out = tmp_path / "app_out"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(f"ulimit -s 32768; {sys.executable} apps/bundle_seg/app.py -i {demo_study} -o {out} "
-                          f"-m {DEMO_BUNDLE}", shell=True, cwd=REPO, env=env, capture_output=True, text=True,
+                          f"-m {bundle_snapshot()}", shell=True, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     written = pydicom.dcmread(next(out.rglob("*.dcm")))

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import DEMO_BUNDLE, add_bundle, multipart_files, small_study
+from tests.server.conftest import add_bundle, bundle_snapshot, multipart_files, small_study
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_drop_half_copy_broken_replace_remove(make_server, study: Path, tmp_path
     with Hammer(url, "a", study) as hammer:
         # Half copy: a bundle whose weights arrive in pieces (pauses below the 1.5 s rule) is never loaded.
         slow = store / "b"
-        shutil.copytree(DEMO_BUNDLE / "configs", slow / "configs")
+        shutil.copytree(bundle_snapshot() / "configs", slow / "configs")
         (slow / "models").mkdir()
         # A separate process writes the weights in pieces with 0.3 s pauses (a thread of this process could
         # be starved of the GIL by the in-process server and pause longer than the rule allows).
@@ -70,7 +70,7 @@ def test_drop_half_copy_broken_replace_remove(make_server, study: Path, tmp_path
                   "with open(sys.argv[2], 'wb') as out:\n"
                   "    for i in range(0, len(data), piece):\n"
                   "        out.write(data[i:i + piece]); out.flush(); time.sleep(0.3)\n")
-        writer = subprocess.Popen([sys.executable, "-c", script, str(DEMO_BUNDLE / "models" / "model.pt"),
+        writer = subprocess.Popen([sys.executable, "-c", script, str(bundle_snapshot() / "models" / "model.pt"),
                                    str(slow / "models" / "model.pt")])
         writer.is_alive = lambda: writer.poll() is None  # type: ignore[attr-defined]
         while writer.is_alive():
@@ -85,7 +85,7 @@ def test_drop_half_copy_broken_replace_remove(make_server, study: Path, tmp_path
 
         # Broken: garbage weights -> failed with a reason; a is unaffected.
         broken = store / "broken"
-        shutil.copytree(DEMO_BUNDLE, broken)
+        shutil.copytree(bundle_snapshot(), broken)
         (broken / "models" / "model.pt").write_bytes(b"not a torch file")
         entry = server.store.wait_until("broken", ("failed",), 30)
         assert entry.error

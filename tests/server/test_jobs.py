@@ -1,0 +1,113 @@
+"""Async jobs: submit/poll/result, Idempotency-Key, cancel, and recovery after `kill -9` of `medserve serve`."""
+
+from __future__ import annotations
+
+import io
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+import pydicom
+import pytest
+
+from tests.server.conftest import ServerProcess, add_bundle, free_port, multipart_files, small_study
+
+
+def _wait(url: str, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = httpx.get(f"{url}/v1/jobs/{job_id}").json()
+        assert "state" in job, job
+        if job["state"] in states:
+            return job
+        time.sleep(0.1)
+    raise TimeoutError(f"job {job_id} not in {states}: {job}")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_study(tmp_path_factory.mktemp("jobs") / "study")
+
+
+def test_job_lifecycle_idempotency_cancel(make_server, study: Path) -> None:
+    server = make_server()
+    add_bundle(server.config.store, "demo")
+    server.store.wait_until("demo", ("loaded",), 60)
+    url = server.url
+    files = multipart_files(study)
+    r = httpx.post(url + "/v1/jobs?model=demo", files=files, headers={"Idempotency-Key": "k1"})
+    assert r.status_code == 202, r.text
+    job = r.json()
+    assert job["state"] in ("queued", "running") and r.headers["Location"] == f"/v1/jobs/{job['id']}"
+    again = httpx.post(url + "/v1/jobs?model=demo", files=files, headers={"Idempotency-Key": "k1"})
+    assert again.json()["id"] == job["id"] and again.headers["Idempotent-Replayed"] == "true"
+    done = _wait(url, job["id"], ("succeeded", "failed"))
+    assert done["state"] == "succeeded", done
+    assert done["progress"] == 1 and done["timings"]["total_s"] > 0 and done["segments"] is not None
+    seg = httpx.get(url + done["result_url"])
+    assert seg.status_code == 200 and pydicom.dcmread(io.BytesIO(seg.content)).Modality == "SEG"
+    nifti = httpx.get(url + done["result_url"] + "?format=nifti")
+    assert nifti.status_code == 200 and nifti.content[:2] == b"\x1f\x8b"
+    # unknown model and unknown job
+    assert httpx.post(url + "/v1/jobs?model=nope", files=files).status_code == 404
+    assert httpx.get(url + "/v1/jobs/" + "0" * 32).status_code == 404
+    # cancel: a queue of three behind one worker; cancel the last while queued, then a running one
+    ids = [httpx.post(url + "/v1/jobs?model=demo", files=files).json()["id"] for _ in range(3)]
+    cancelled = httpx.delete(f"{url}/v1/jobs/{ids[2]}").json()
+    assert cancelled["state"] == "cancelled"
+    running = _wait(url, ids[0], ("running", "succeeded"))
+    if running["state"] == "running":
+        r = httpx.delete(f"{url}/v1/jobs/{ids[0]}")
+        if r.status_code == 200:  # still running when the DELETE arrived: it stays cancelled, no result
+            assert r.json()["state"] == "cancelled"
+            time.sleep(1.0)
+            assert httpx.get(f"{url}/v1/jobs/{ids[0]}").json()["state"] == "cancelled"
+            assert httpx.get(f"{url}/v1/jobs/{ids[0]}/result").status_code == 409
+        else:  # it finished in between
+            assert r.status_code == 409 and r.json()["error"] == "job_finished"
+    assert _wait(url, ids[1], ("succeeded",))["state"] == "succeeded"
+    time.sleep(0.5)
+    assert httpx.get(f"{url}/v1/jobs/{ids[2]}").json()["state"] == "cancelled"
+    assert httpx.get(f"{url}/v1/jobs/{ids[2]}/result").status_code == 409
+    assert httpx.delete(f"{url}/v1/jobs/{ids[1]}").status_code == 409
+    listed = httpx.get(url + "/v1/jobs").json()["jobs"]
+    assert {j["id"] for j in listed} >= set(ids)
+
+
+def test_kill_9_recovery(tmp_path: Path, store_dir: Path, study: Path, demo_study: Path) -> None:
+    """kill -9 while a job runs: after a restart the finished job's result is still served and the interrupted
+    job runs again (attempt 2) to success; a job interrupted on its last attempt is failed with the reason."""
+    add_bundle(store_dir, "demo")
+    data = tmp_path / "data"
+    port = free_port()
+    args = ["--store", str(store_dir), "--data-dir", str(data), "--stable-seconds", "0.5", "--poll-interval",
+            "0.2", "--device", "cpu", "--job-max-attempts", "2"]
+    server = ServerProcess(args, port).start()
+    url = server.url
+    try:
+        files = multipart_files(study)
+        first = httpx.post(url + "/v1/jobs?model=demo", files=files).json()
+        done = _wait(url, first["id"], ("succeeded",))
+        before = httpx.get(url + done["result_url"]).content
+        second = httpx.post(url + "/v1/jobs?model=demo", files=multipart_files(demo_study)).json()
+        _wait(url, second["id"], ("running",), 60)
+        server.kill()
+    finally:
+        server.kill()
+    # Force a third job into "running on its last attempt", as if it had already been interrupted once.
+    db = sqlite3.connect(data / "jobs.sqlite")
+    third_id = "f" * 32
+    db.execute("INSERT INTO jobs (id, model, state, input, created, attempts) VALUES (?, 'demo', 'running', ?, ?, 2)",
+               (third_id, '{"kind": "dicom", "path": "/nonexistent"}', time.time()))
+    db.commit()
+    db.close()
+    server = ServerProcess(args, port).start()
+    try:
+        assert httpx.get(url + done["result_url"]).content == before
+        rerun = _wait(url, second["id"], ("succeeded", "failed"))
+        assert rerun["state"] == "succeeded" and rerun["attempts"] == 2, rerun
+        failed = httpx.get(f"{url}/v1/jobs/{third_id}").json()
+        assert failed["state"] == "failed" and "interrupted" in failed["error"]
+    finally:
+        server.stop()
