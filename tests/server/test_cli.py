@@ -1,0 +1,84 @@
+"""The CLI client against a real server: `medserve infer` (tus upload, resume, job, download), tables."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pydicom
+from tusclient import client as tus
+from tusclient.storage.filestorage import FileStorage
+
+from medserve.server.client import study_zip
+from tests.server.conftest import REPO, add_bundle
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "medserve.cli", *args], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+
+
+def test_infer_resumes_upload_and_tables(make_server, demo_study: Path, tmp_path: Path) -> None:
+    server = make_server()
+    add_bundle(server.config.store, "demo")
+    server.store.wait_until("demo", ("loaded",), 60)
+    env = {**os.environ, "MEDSERVE_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+    # An earlier run was interrupted after 300 kB of the study's upload (same cache, same zip bytes).
+    os.environ["MEDSERVE_CACHE"] = env["MEDSERVE_CACHE"]
+    try:
+        archive = study_zip(demo_study)
+    finally:
+        del os.environ["MEDSERVE_CACHE"]
+    storage = FileStorage(str(Path(env["MEDSERVE_CACHE"]) / "tus-urls.json"))
+    partial = tus.TusClient(server.url + "/v1/uploads").uploader(
+        str(archive), chunk_size=100_000, store_url=True, url_storage=storage, metadata={"filename": archive.name})
+    partial.upload(stop_at=300_000)
+    partial_id = partial.url.rsplit("/", 1)[-1]
+    storage._db.close()
+
+    out = tmp_path / "out"
+    proc = _cli("infer", "demo", str(demo_study), "-o", str(out), "--url", server.url, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seg = pydicom.dcmread(out / "seg.dcm")
+    assert seg.Modality == "SEG" and seg.pixel_array.any()
+    # The upload that finished is the one started before: resumed, not re-sent from zero.
+    uploads = sorted(p.stem for p in server.config.uploads_dir.glob("*.bin"))
+    assert uploads == [partial_id], uploads
+    assert (server.config.uploads_dir / f"{partial_id}.bin").read_bytes() == archive.read_bytes()
+
+    models = _cli("models", "--url", server.url, env=env)
+    assert models.returncode == 0 and "demo" in models.stdout and "loaded" in models.stdout
+    jobs = _cli("jobs", "--url", server.url, env=env)
+    assert jobs.returncode == 0 and "succeeded" in jobs.stdout
+    listed = __import__("httpx").get(server.url + "/v1/jobs").json()["jobs"]
+    job = _cli("job", listed[0]["id"], "--url", server.url, env=env)
+    assert job.returncode == 0 and listed[0]["id"] in job.stdout and "total_s" in job.stdout
+    missing = _cli("infer", "nope", str(demo_study), "-o", str(out), "--url", server.url, env=env)
+    assert missing.returncode == 2 and "nope" in missing.stderr
+
+
+def test_serve_refuses_public_address_without_tokens(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "medserve.cli", "serve", "--host", "0.0.0.0", "--store",
+                           str(tmp_path), "--data-dir", str(tmp_path / "d")], capture_output=True, text=True,
+                          timeout=120, env={k: v for k, v in os.environ.items() if k != "MEDSERVE_TOKENS"})
+    assert proc.returncode == 2 and "--insecure" in proc.stderr
+
+
+def test_tokens_and_scopes(make_server, tmp_path: Path) -> None:
+    import httpx
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# token scopes\nuser-token infer\nadmin-token admin\n")
+    server = make_server(tokens_file=tokens)
+    url = server.url
+    assert httpx.get(url + "/healthz").status_code == 200
+    assert httpx.get(url + "/v1/models").status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer user-token"}).status_code == 403
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer admin-token"}).status_code == 200
+    assert httpx.get(url + "/v1/jobs", headers={"Authorization": "Bearer user-token"}).status_code == 200
+    assert httpx.get(url + "/v1/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    r = httpx.post(url + "/v1/uploads", headers={"Tus-Resumable": "1.0.0", "Upload-Length": "1"})
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized"
