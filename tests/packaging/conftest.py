@@ -5,7 +5,6 @@ directory downloaded once with the host's pip configuration."""
 from __future__ import annotations
 
 import crypt  # bcrypt htpasswd lines for the registry (libxcrypt); deprecated but present on 3.11
-import hashlib
 import shutil
 import socket
 import subprocess
@@ -94,25 +93,10 @@ def registry(container_tools: None, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.fixture(scope="session")
 def wheel_dir_for() -> Callable[[list[str]], Path]:
-    """Wheels for a MAP's requirement lines, downloaded once with the host's pip config (its local indexes too),
-    kept under ~/.cache/medserve keyed by the requirements."""
+    """Wheels for a MAP's requirement lines, downloaded once (host pip config) and kept in ~/.cache/medserve."""
+    from medserve.packaging.wheels import download_wheels
 
-    def get(requirements: list[str]) -> Path:
-        text = "\n".join(requirements) + "\n"
-        key = hashlib.sha256(text.encode()).hexdigest()[:12]
-        target = Path.home() / ".cache" / "medserve" / f"wheels-{key}"
-        if not (target / ".complete").exists():
-            target.mkdir(parents=True, exist_ok=True)
-            spec = target / "requirements.txt"
-            spec.write_text(text)
-            # The host's pip config decides the index; for the CPU variant it must offer torch+cpu (a local
-            # wheel, or --extra-index-url https://download.pytorch.org/whl/cpu in pip.conf).
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(target), "-r", str(spec)],
-                           check=True)
-            (target / ".complete").write_text("")
-        return target
-
-    return get
+    return lambda requirements: download_wheels(requirements, Path.home() / ".cache" / "medserve")
 
 
 def podman(*args: str, **kwargs) -> subprocess.CompletedProcess:
