@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import highdicom as hd
+import monai
 import numpy as np
 import torch
 from monai.bundle import ConfigParser
@@ -29,6 +30,8 @@ _FILE_IO_TRANSFORMS = ("LoadImage", "SaveImage")
 _CHANNEL_FIRST_TRANSFORMS = ("EnsureChannelFirst", "AddChannel")
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 MAX_LABEL = 65535
+# Arguments that published zoo bundles pass and later MONAI releases removed; they never affect the weights.
+_REMOVED_NETWORK_ARGUMENTS = {"SwinUNETR": ("img_size",)}
 
 
 def default_device() -> torch.device:
@@ -108,7 +111,6 @@ class BundlePredictor:
         array = np.asarray(volume.array, dtype=np.float32).transpose(2, 1, 0)
         affine = _LPS_TO_RAS @ volume.affine[:, [2, 1, 0, 3]]
         meta = {
-            "affine": torch.as_tensor(affine, dtype=torch.float64),
             "original_affine": affine,
             "spatial_shape": np.asarray(array.shape),
             "space": "RAS",
@@ -119,7 +121,7 @@ class BundlePredictor:
         if not self._expects_channel_first:
             tensor = tensor.unsqueeze(0)
             meta["original_channel_dim"] = 0
-        return MetaTensor(tensor, affine=meta["affine"], meta=meta)
+        return MetaTensor(tensor, affine=torch.as_tensor(affine, dtype=torch.float64), meta=meta)
 
     def _label_map(self, prediction: Any, shape: tuple[int, ...]) -> np.ndarray:
         values = prediction.detach().cpu().numpy() if isinstance(prediction, torch.Tensor) else np.asarray(prediction)
@@ -179,6 +181,33 @@ def _uses_transform(parser: ConfigParser, section: str, prefixes: tuple[str, ...
     return any(_target_name(t).startswith(prefixes) for t in transforms)
 
 
+def network_from_config(config_path: Path) -> torch.nn.Module:
+    """The untrained network of a bundle config (random weights), e.g. to give a config weights for tests."""
+    parser = ConfigParser()
+    parser.read_config(str(config_path))
+    return build_network(config_path, parser)
+
+
+def build_network(config_path: Path, parser: ConfigParser) -> torch.nn.Module:
+    """Instantiate network_def, dropping arguments MONAI has since removed when a published config passes them."""
+    target = _target_name(parser["network_def"])
+    try:
+        return parser.get_parsed_content("network_def", instantiate=True, lazy=False)
+    except Exception as error:  # any network constructor argument can be wrong
+        removed = [a for a in _REMOVED_NETWORK_ARGUMENTS.get(target, ()) if a in parser["network_def"]]
+        if not removed:
+            raise BundleError(f"{config_path}: cannot build network_def ({error})") from error
+    log.warning("dropping network_def arguments %s: MONAI %s's %s no longer takes them", removed,
+                monai.__version__, target)
+    for argument in removed:
+        parser["network_def"].pop(argument)
+    parser.parse()
+    try:
+        return parser.get_parsed_content("network_def", instantiate=True, lazy=False)
+    except Exception as error:  # any network constructor argument can be wrong
+        raise BundleError(f"{config_path}: cannot build network_def ({error})") from error
+
+
 def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.device) -> torch.nn.Module:
     if layout.weights_path.suffix == ".ts":
         try:
@@ -186,10 +215,7 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
         except Exception as error:  # torch.jit raises RuntimeError or its own error types
             raise BundleError(f"{layout.weights_path}: not a loadable TorchScript model ({error})") from error
         return network.eval()
-    try:
-        network = parser.get_parsed_content("network_def")
-    except Exception as error:  # any network constructor argument can be wrong
-        raise BundleError(f"{layout.config_path}: cannot build network_def ({error})") from error
+    network = build_network(layout.config_path, parser)
     try:
         checkpoint = torch.load(str(layout.weights_path), map_location="cpu", weights_only=True)
     except Exception as error:  # truncated files, pickles that weights_only refuses, non-torch files

@@ -131,6 +131,10 @@ def index_folder(folder: Path | str) -> StudyIndex:
         study_uid = str(dataset.get("StudyInstanceUID", ""))
         series_uid = str(dataset.get("SeriesInstanceUID", ""))
         if not study_uid or not series_uid:
+            if _has_dicom_preamble(path):
+                # pydicom returns what it could read of a cut file; an object without its UIDs is damaged.
+                raise DicomInputError(f"{path}: corrupt or truncated DICOM file (StudyInstanceUID or "
+                                      f"SeriesInstanceUID missing)")
             _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
             continue
         series = series_by_uid.get(series_uid)

@@ -20,6 +20,8 @@ from pydicom.uid import generate_uid
 import medserve
 
 _LATERALITY_WORDS = {"left", "right", "l", "r"}
+_TYPE2_COPIED_ATTRIBUTES = ("PatientID", "PatientName", "PatientBirthDate", "PatientSex", "AccessionNumber",
+                            "StudyID", "StudyDate", "StudyTime")
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,9 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
     Volume that highdicom maps onto the source frames by position (multi-frame sources)."""
     values = label_map.array if isinstance(label_map, hd.Volume) else label_map
     numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
-    first = source[0]
+    first = _with_type2_attributes(source[0])
     return hd.seg.Segmentation(
-        source_images=source,
+        source_images=[first, *source[1:]],
         pixel_array=label_map,
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
         segment_descriptions=segment_descriptions(labels, numbers, algorithm),
@@ -88,6 +90,20 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         content_creator_name=None,
         content_description=f"Segmentation of series {first.SeriesInstanceUID}"[:64],
     )
+
+
+def _with_type2_attributes(dataset: Dataset) -> Dataset:
+    """highdicom copies these patient/study attributes from the first source image and fails when one is
+    absent; DICOM makes them type 2 (present, may be empty), so an absent one is written empty."""
+    missing = [k for k in _TYPE2_COPIED_ATTRIBUTES if k not in dataset]
+    if not missing:
+        return dataset
+    patched = Dataset()  # a new element dict: the caller's header stays as it was
+    patched.update(dataset)
+    patched.file_meta = dataset.file_meta
+    for keyword in missing:
+        setattr(patched, keyword, None)
+    return patched
 
 
 def write_seg(segmentation: hd.seg.Segmentation, path: Path) -> Path:

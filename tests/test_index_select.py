@@ -1,0 +1,123 @@
+"""Folder indexing (headers only, skips, errors) and series selection with the stock rules' semantics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pydicom
+import pytest
+from pydicom.fileset import FileSet
+
+from medserve.demo.phantom import make_phantom
+from medserve.demo.study import write_ct_series
+from medserve.dicom.index import index_folder
+from medserve.dicom.select import load_rules, select_series
+from medserve.errors import DicomInputError, SelectionError
+
+
+@pytest.fixture
+def two_series_study(tmp_path) -> Path:
+    """One study: a 16-slice CT and a 3-slice 'scout' in a sub-folder, plus junk and a DICOMDIR."""
+    phantom = make_phantom(shape=(16, 24, 24), seed=9)
+    main = write_ct_series(phantom.hu, tmp_path / "a" / "b", series_description="Abdomen 3mm")
+    write_ct_series(phantom.hu[:3], tmp_path / "scout", study_uid=main.study_uid, series_description="Scout")
+    (tmp_path / "notes.txt").write_text("not DICOM")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    return tmp_path
+
+
+def test_index_groups_by_study_and_series_and_skips_what_is_not_an_image(two_series_study):
+    index = index_folder(two_series_study)
+    assert len(index.studies) == 1
+    assert sorted(len(s.instances) for s in index.all_series) == [3, 16]
+    skipped = {path.name: reason for path, reason in index.skipped}
+    assert skipped == {"notes.txt": "not a DICOM file", "empty.bin": "not a DICOM file"}
+    # Headers only: pixel data was not read, but its position is known.
+    instance = index.all_series[0].instances[0]
+    assert "PixelData" not in instance.dataset
+    assert instance.pixel_data_offset is not None
+
+
+def test_dicomdir_is_skipped_and_the_files_it_lists_are_indexed(tmp_path):
+    written = write_ct_series(make_phantom(shape=(3, 8, 8)).hu, tmp_path / "src")
+    file_set = FileSet()
+    for path in written.paths:
+        file_set.add(pydicom.dcmread(path))
+    file_set.write(tmp_path / "media")
+    index = index_folder(tmp_path / "media")
+    assert [len(s.instances) for s in index.all_series] == [3]
+    assert [(p.name, "DICOMDIR" in why) for p, why in index.skipped] == [("DICOMDIR", True)]
+
+
+def test_empty_folder_is_refused(tmp_path):
+    with pytest.raises(DicomInputError, match="is empty"):
+        index_folder(tmp_path)
+
+
+def test_folder_without_dicom_is_refused_listing_what_was_skipped(tmp_path):
+    (tmp_path / "readme.md").write_text("# hello")
+    with pytest.raises(DicomInputError, match=r"no DICOM files found.*readme.md: not a DICOM file"):
+        index_folder(tmp_path)
+
+
+def test_missing_folder_is_refused(tmp_path):
+    with pytest.raises(DicomInputError, match="does not exist"):
+        index_folder(tmp_path / "nowhere")
+
+
+def test_corrupt_dicom_header_is_refused_naming_the_file(tmp_path):
+    written = write_ct_series(make_phantom(shape=(4, 16, 16)).hu, tmp_path)
+    victim = written.paths[2]
+    victim.write_bytes(victim.read_bytes()[:400])  # cut inside the header
+    with pytest.raises(DicomInputError, match=f"{victim.name}: corrupt"):
+        index_folder(tmp_path)
+
+
+def test_default_rules_pick_the_largest_ct_series(two_series_study):
+    [choice] = select_series(index_folder(two_series_study))
+    assert choice.series.description == "Abdomen 3mm"
+
+
+RULES = {"selections": [{"name": "scout", "conditions": {"SeriesDescription": "(?i)^scout$"}}]}
+
+
+@pytest.mark.parametrize("conditions,expected", [
+    ({"Modality": "ct"}, "Abdomen 3mm"),                             # case-insensitive equality
+    ({"SeriesDescription": "(?i)scou"}, "Scout"),                    # regex search
+    ({"SliceThickness": [2, 4]}, "Abdomen 3mm"),                     # inclusive numeric range
+    ({"SliceThickness": [3, ">="]}, "Abdomen 3mm"),                  # relational
+    ({"ImageType": ["PRIMARY", "!SECONDARY"]}, "Abdomen 3mm"),       # multi-value inclusion/exclusion
+    ({"ImageOrientationPatient": "Axial"}, "Abdomen 3mm"),           # orientation by slice normal
+    ({"SeriesDescription": "Scout", "Modality": None}, "Scout"),     # empty condition ignored
+])
+def test_conditions_match_like_the_stock_selector(two_series_study, conditions, expected):
+    rules = {"selections": [{"name": "x", "conditions": conditions}]}
+    assert select_series(index_folder(two_series_study), rules)[0].series.description == expected
+
+
+def test_several_selections_and_all_matched(two_series_study):
+    rules = {"selections": [{"name": "all ct", "conditions": {"Modality": "CT"}}, RULES["selections"][0]]}
+    index = index_folder(two_series_study)
+    names = [(c.name, c.series.description) for c in select_series(index, rules, all_matched=True)]
+    assert ("all ct", "Abdomen 3mm") in names and ("all ct", "Scout") in names and ("scout", "Scout") in names
+
+
+def test_no_match_lists_what_was_found(two_series_study):
+    rules = {"selections": [{"name": "mr", "conditions": {"Modality": "MR"}}]}
+    with pytest.raises(SelectionError, match=r"no series .* matches(.|\n)*Abdomen 3mm(.|\n)*Scout"):
+        select_series(index_folder(two_series_study), rules)
+
+
+def test_rules_from_a_file_and_malformed_rules(tmp_path):
+    path = tmp_path / "rules.json"
+    path.write_text(json.dumps(RULES))
+    assert load_rules(str(path)) == RULES
+    path.write_text("{not json")
+    with pytest.raises(SelectionError, match="rules.json: not valid JSON"):
+        load_rules(str(path))
+    with pytest.raises(SelectionError, match="expected"):
+        load_rules({"rules": []})
+    write_ct_series(make_phantom(shape=(3, 8, 8)).hu, tmp_path / "s")
+    with pytest.raises(SelectionError, match="operator '~'"):
+        select_series(index_folder(tmp_path / "s"), {"selections": [{"conditions": {"SliceThickness": [1, "~"]}}]})

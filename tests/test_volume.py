@@ -1,0 +1,238 @@
+"""Series to volume: geometry from the headers, any file order, compressed syntaxes, refusals with reasons."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import highdicom as hd
+import numpy as np
+import pydicom
+import pytest
+from pydicom.data import get_testdata_file
+from pydicom.uid import JPEG2000Lossless, RLELossless
+
+from medserve.demo.phantom import make_phantom
+from medserve.demo.study import SeriesGeometry, write_ct_series
+from medserve.dicom.index import index_folder
+from medserve.dicom.select import select_series
+from medserve.dicom.volume import series_to_volume
+from medserve.errors import DicomInputError, VolumeError
+
+
+def volume_of(folder: Path) -> hd.Volume:
+    return series_to_volume(select_series(index_folder(folder))[0].series)
+
+
+def rotation(axis: np.ndarray, degrees: float) -> np.ndarray:
+    axis = axis / np.linalg.norm(axis)
+    angle = np.radians(degrees)
+    k = np.array([[0, -axis[2], axis[1]], [axis[2], 0, -axis[0]], [-axis[1], axis[0], 0]])
+    return np.eye(3) + np.sin(angle) * k + (1 - np.cos(angle)) * k @ k
+
+
+def oriented(row: np.ndarray, column: np.ndarray) -> tuple[float, ...]:
+    return tuple(float(v) for v in np.concatenate([row, column]))
+
+
+ORIENTATIONS = {
+    "axial": (1, 0, 0, 0, 1, 0),
+    "coronal": (1, 0, 0, 0, 0, -1),
+    "sagittal": (0, 1, 0, 0, 0, -1),
+    "oblique": oriented(rotation(np.array([1.0, 0.3, 0.2]), 25) @ [1, 0, 0],
+                        rotation(np.array([1.0, 0.3, 0.2]), 25) @ [0, 1, 0]),
+    "feet_first_flipped": (-1, 0, 0, 0, 1, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def phantom():
+    return make_phantom(shape=(20, 40, 36), spacing=(2.5, 1.5, 1.25), seed=3)
+
+
+@pytest.mark.parametrize("name", list(ORIENTATIONS))
+def test_geometry_follows_the_headers_for_any_orientation(tmp_path, phantom, name):
+    geometry = SeriesGeometry(origin=(12.5, -40.0, 310.0), orientation=ORIENTATIONS[name],
+                              pixel_spacing=phantom.spacing[1:], slice_spacing=phantom.spacing[0])
+    write_ct_series(phantom.hu, tmp_path, geometry, file_order_seed=11)
+    volume = volume_of(tmp_path)
+    np.testing.assert_allclose(volume.affine, geometry.affine(), atol=1e-4)
+    np.testing.assert_allclose(volume.array, phantom.hu, atol=0.5)
+    assert volume.array.dtype == np.float32
+
+
+def test_slices_are_ordered_along_the_normal_whatever_the_file_and_instance_order(tmp_path, phantom):
+    geometry = SeriesGeometry(slice_spacing=phantom.spacing[0], pixel_spacing=phantom.spacing[1:])
+    written = write_ct_series(phantom.hu[::-1], tmp_path, SeriesGeometry(
+        origin=tuple(geometry.slice_position(phantom.hu.shape[0] - 1)), orientation=geometry.orientation,
+        pixel_spacing=geometry.pixel_spacing, slice_spacing=-geometry.slice_spacing))
+    assert len(written.paths) == phantom.hu.shape[0]
+    volume = volume_of(tmp_path)
+    np.testing.assert_allclose(volume.array, phantom.hu, atol=0.5)
+    np.testing.assert_allclose(volume.affine, geometry.affine(), atol=1e-4)
+
+
+def test_world_coordinates_are_lps_and_match_nifti_ras(tmp_path, phantom):
+    from medserve.writers.nifti import nifti_affine
+
+    write_ct_series(phantom.hu, tmp_path, SeriesGeometry(origin=(10.0, 20.0, 30.0)))
+    volume = volume_of(tmp_path)
+    k, j, i = 3, 5, 7
+    lps = volume.affine @ [k, j, i, 1]
+    ras = nifti_affine(volume) @ [i, j, k, 1]
+    np.testing.assert_allclose(ras[:3], lps[:3] * [-1, -1, 1])
+    np.testing.assert_allclose(lps[:3], np.array([10.0, 20.0, 30.0]) + [i * 3.0, j * 3.0, k * 3.0])
+
+
+def test_real_ct_round_trips_through_dicom(real_ct_study, real_ct):
+    folder, _, geometry = real_ct_study
+    volume = volume_of(folder)
+    np.testing.assert_allclose(volume.array, np.maximum(real_ct, -1024), atol=0.5)
+    np.testing.assert_allclose(volume.affine, geometry.affine(), atol=1e-4)
+
+
+@pytest.mark.parametrize("syntax", [RLELossless, JPEG2000Lossless])
+def test_compressed_series_decode_to_the_same_volume(tmp_path, phantom, syntax):
+    write_ct_series(phantom.hu, tmp_path, transfer_syntax=syntax)
+    assert pydicom.dcmread(next(tmp_path.iterdir())).file_meta.TransferSyntaxUID == syntax
+    np.testing.assert_allclose(volume_of(tmp_path).array, phantom.hu, atol=0.5)
+
+
+@pytest.mark.parametrize("name", ["JPEG-LL.dcm", "JPGLosslessP14SV1_1s_1f_8b.dcm", "MR2_J2KI.dcm",
+                                  "MR2_J2KR.dcm", "MR_small_jpeg_ls_lossless.dcm", "MR_small_RLE.dcm",
+                                  "CT_small.dcm", "MR_small_bigendian.dcm"])
+def test_single_files_of_many_transfer_syntaxes_decode_like_pydicom(tmp_path, name):
+    reference = pydicom.dcmread(get_testdata_file(name))
+    # Some of pydicom's test files carry no geometry: give them one, a single slice is a volume.
+    reference.ImagePositionPatient = reference.get("ImagePositionPatient", [0, 0, 0])
+    reference.ImageOrientationPatient = reference.get("ImageOrientationPatient", [1, 0, 0, 0, 1, 0])
+    reference.PixelSpacing = reference.get("PixelSpacing", [1, 1])
+    reference.save_as(tmp_path / name)
+    slope, intercept = float(reference.get("RescaleSlope", 1)), float(reference.get("RescaleIntercept", 0))
+    expected = reference.pixel_array * slope + intercept
+    volume = series_to_volume(index_folder(tmp_path).all_series[0])
+    np.testing.assert_allclose(volume.array[0], expected, atol=1e-3)
+
+
+def test_jpeg_baseline_series_decodes(tmp_path, phantom):
+    """8-bit JPEG baseline (lossy), encoded with Pillow, as older scanners' secondary captures are."""
+    from io import BytesIO
+
+    from PIL import Image
+    from pydicom.encaps import encapsulate
+    from pydicom.uid import JPEGBaseline8Bit
+
+    written = _write(tmp_path, phantom)
+    expected = []
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        stored = np.clip((dataset.pixel_array.astype(np.float32) - 900) / 2, 0, 255).astype(np.uint8)
+        buffer = BytesIO()
+        Image.fromarray(stored).save(buffer, format="JPEG", quality=95)
+        dataset.PixelData = encapsulate([buffer.getvalue()])
+        dataset["PixelData"].VR = "OB"
+        dataset.file_meta.TransferSyntaxUID = JPEGBaseline8Bit
+        dataset.BitsAllocated, dataset.BitsStored, dataset.HighBit = 8, 8, 7
+        dataset.RescaleSlope, dataset.RescaleIntercept = "2", "-124"
+        dataset.save_as(path)
+        expected.append(stored.astype(np.float32) * 2 - 124)
+    volume = volume_of(tmp_path)
+    assert np.abs(volume.array - np.stack(expected)).mean() < 4.0
+
+
+def test_enhanced_multiframe_ct_gives_the_same_volume(tmp_path, phantom):
+    single = tmp_path / "single"
+    write_ct_series(phantom.hu, single, file_order_seed=2)
+    datasets = [pydicom.dcmread(p) for p in sorted(single.iterdir())]
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=datasets, series_instance_uid=pydicom.uid.generate_uid(), series_number=3,
+        sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    multi = tmp_path / "multi"
+    multi.mkdir()
+    enhanced.save_as(multi / "enhanced.dcm")
+    series = index_folder(multi).all_series[0]
+    assert series.is_multiframe
+    volume = series_to_volume(series)
+    reference = volume_of(single)
+    np.testing.assert_allclose(volume.match_geometry(reference).array, reference.array, atol=0.5)
+
+
+def _write(tmp_path, phantom, **overrides):
+    geometry = SeriesGeometry(pixel_spacing=phantom.spacing[1:], slice_spacing=phantom.spacing[0])
+    return write_ct_series(phantom.hu, tmp_path, geometry, **overrides)
+
+
+def test_missing_slice_is_refused_with_the_gap(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    written.paths[7].unlink()
+    with pytest.raises(VolumeError, match=r"missing 1 slice\(s\)"):
+        volume_of(tmp_path)
+
+
+def test_duplicated_slice_is_refused_naming_the_files(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    duplicate = pydicom.dcmread(written.paths[4])
+    duplicate.SOPInstanceUID = pydicom.uid.generate_uid()
+    duplicate.save_as(tmp_path / "copy.dcm")
+    with pytest.raises(VolumeError, match=r"duplicated slice.*copy\.dcm"):
+        volume_of(tmp_path)
+
+
+def test_irregular_spacing_is_refused(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    for k, path in enumerate(written.paths):
+        dataset = pydicom.dcmread(path)
+        dataset.ImagePositionPatient[2] = float(dataset.ImagePositionPatient[2]) + (0.9 if k % 2 else 0.0)
+        dataset.save_as(path)
+    with pytest.raises(VolumeError, match="irregular"):
+        volume_of(tmp_path)
+
+
+def test_mixed_orientations_are_refused(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    dataset = pydicom.dcmread(written.paths[3])
+    dataset.ImageOrientationPatient = [1, 0, 0, 0, 0.8, -0.6]
+    dataset.save_as(written.paths[3])
+    with pytest.raises(VolumeError, match="mixed orientations"):
+        volume_of(tmp_path)
+
+
+def test_mixed_sizes_are_refused(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    dataset = pydicom.dcmread(written.paths[2])
+    dataset.Rows = 20
+    dataset.PixelData = dataset.PixelData[: 20 * dataset.Columns * 2]
+    dataset.save_as(written.paths[2])
+    with pytest.raises(VolumeError, match="mixed sizes"):
+        volume_of(tmp_path)
+
+
+def test_truncated_file_is_refused_naming_it(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    victim = written.paths[5]
+    victim.write_bytes(victim.read_bytes()[:-1000])
+    with pytest.raises((VolumeError, DicomInputError), match=victim.name):
+        volume_of(tmp_path)
+
+
+def test_missing_geometry_attribute_is_refused(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    dataset = pydicom.dcmread(written.paths[1])
+    del dataset.PixelSpacing
+    dataset.save_as(written.paths[1])
+    with pytest.raises(VolumeError, match="PixelSpacing is missing"):
+        volume_of(tmp_path)
+
+
+def test_stored_bits_below_allocated_are_sign_extended(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        values = dataset.pixel_array.astype(np.int32) - 2048  # 12-bit signed range
+        dataset.PixelRepresentation, dataset.BitsStored, dataset.HighBit = 1, 12, 11
+        dataset.RescaleIntercept = "0"
+        garbage_high_bits = (values.astype(np.int16) & 0x0FFF) | 0x5000  # a writer that leaves junk above bit 11
+        dataset.PixelData = garbage_high_bits.astype(np.int16).tobytes()
+        dataset.save_as(path)
+    expected = np.clip(np.rint(phantom.hu + 1024), 0, 65535) - 2048
+    np.testing.assert_allclose(volume_of(tmp_path).array, expected, atol=0.5)

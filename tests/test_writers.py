@@ -1,0 +1,104 @@
+"""DICOM SEG and NIfTI writers: valid per dciodvfy, read back to the same label map, right geometry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import highdicom as hd
+import nibabel as nib
+import numpy as np
+import pydicom
+import pytest
+
+from medserve.demo.phantom import make_phantom
+from medserve.demo.study import Patient, SeriesGeometry, write_ct_series
+from medserve.dicom.index import index_folder
+from medserve.dicom.volume import series_to_volume
+from medserve.pipeline import seg_source
+from medserve.writers.nifti import write_nifti
+from medserve.writers.seg import Algorithm, build_seg, segment_concept, write_seg
+from tests.conftest import dciodvfy_errors
+
+LABELS = {1: "spleen", 2: "Right Kidney", 3: "inferior_vena_cava", 4: "tumour core"}
+
+
+def study(folder: Path, patient: Patient = Patient(), geometry: SeriesGeometry = SeriesGeometry()):
+    phantom = make_phantom(shape=(16, 32, 32), seed=4)
+    write_ct_series(phantom.hu, folder, geometry, patient=patient, file_order_seed=1)
+    series = index_folder(folder).all_series[0]
+    return series, series_to_volume(series)
+
+
+def multi_label(volume: hd.Volume) -> np.ndarray:
+    label_map = np.zeros(volume.array.shape, dtype=np.uint16)
+    label_map[2:6, 4:12, 4:12] = 1
+    label_map[8:10, 20:28, 6:9] = 2
+    label_map[12, 10:20, 10:20] = 4  # label 3 is absent: an empty segment
+    return label_map
+
+
+def write(tmp_path: Path, series, volume, label_map) -> Path:
+    seg = build_seg(label_map, seg_source(series), LABELS, Algorithm("demo_organ_seg", "0.1.0"))
+    return write_seg(seg, tmp_path / "seg.dcm")
+
+
+@pytest.mark.parametrize("orientation", [(1, 0, 0, 0, 1, 0), (0, 1, 0, 0, 0, -1)])
+def test_seg_is_valid_and_reads_back_to_the_label_map(tmp_path, orientation):
+    series, volume = study(tmp_path / "study", geometry=SeriesGeometry(orientation=orientation))
+    label_map = multi_label(volume)
+    path = write(tmp_path, series, volume, label_map)
+    assert dciodvfy_errors(path) == []
+    seg = hd.seg.segread(path)
+    back = seg.get_volume(combine_segments=True, relabel=False).match_geometry(volume)
+    np.testing.assert_array_equal(back.array, label_map)
+
+
+def test_seg_references_the_source_series_and_omits_empty_frames(tmp_path):
+    series, volume = study(tmp_path / "study")
+    label_map = multi_label(volume)
+    seg = pydicom.dcmread(write(tmp_path, series, volume, label_map))
+    referenced = seg.ReferencedSeriesSequence[0]
+    assert referenced.SeriesInstanceUID == series.series_uid
+    assert {item.ReferencedSOPInstanceUID for item in referenced.ReferencedInstanceSequence} == {
+        instance.dataset.SOPInstanceUID for instance in series.instances}
+    non_empty_frames = sum(int(np.any(label_map[k] == n)) for k in range(label_map.shape[0]) for n in LABELS)
+    assert seg.NumberOfFrames == non_empty_frames
+    assert seg.StudyInstanceUID == series.study_uid
+    assert seg.PatientID == series.header.PatientID
+
+
+def test_segments_carry_names_and_coded_anatomy(tmp_path):
+    series, volume = study(tmp_path / "study")
+    seg = hd.seg.segread(write(tmp_path, series, volume, multi_label(volume)))
+    descriptions = {d.segment_number: d for d in seg.SegmentSequence}
+    assert [descriptions[n].SegmentLabel for n in sorted(descriptions)] == list(LABELS.values())
+    assert descriptions[1].SegmentedPropertyTypeCodeSequence[0].CodeValue == "78961009"  # Spleen
+    assert descriptions[2].SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Kidney"
+    assert descriptions[3].SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Inferior vena cava"
+    assert descriptions[4].SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Tissue"  # not an anatomy term
+
+
+def test_seg_works_when_the_source_lacks_optional_patient_attributes(tmp_path):
+    series, volume = study(tmp_path / "study", patient=Patient(birth_date=None, sex=None))
+    assert "PatientBirthDate" not in series.header and "PatientSex" not in series.header
+    path = write(tmp_path, series, volume, multi_label(volume))
+    assert dciodvfy_errors(path) == []
+
+
+def test_segment_concept_falls_back_to_tissue():
+    assert segment_concept("liver")[1].meaning == "Liver"
+    assert segment_concept("kidney_left")[1].meaning == "Kidney"
+    assert segment_concept("label 7")[1].meaning == "Tissue"
+
+
+def test_nifti_has_the_source_geometry(tmp_path):
+    geometry = SeriesGeometry(origin=(5.0, -7.0, 11.0), orientation=(0, 1, 0, 0, 0, -1))
+    series, volume = study(tmp_path / "study", geometry=geometry)
+    label_map = multi_label(volume)
+    image = nib.load(write_nifti(label_map, volume, tmp_path / "labels.nii.gz"))
+    np.testing.assert_array_equal(np.asarray(image.dataobj).transpose(2, 1, 0), label_map)
+    lps = volume.affine @ [2, 3, 4, 1]
+    ras = image.affine @ [4, 3, 2, 1]
+    np.testing.assert_allclose(ras[:3], lps[:3] * [-1, -1, 1], atol=1e-4)
+    assert image.get_data_dtype() == np.uint16
+    assert not list(tmp_path.glob(".*partial*"))
