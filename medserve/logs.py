@@ -9,6 +9,8 @@ import sys
 import time
 
 _LIBRARY_LOGGERS = ("holoscan", "monai", "highdicom", "pydicom", "ignite", "urllib3", "httpx")
+# The SDK's model factory warns about every bundle folder it cannot classify; bundles are ours to load.
+_ERRORS_ONLY_LOGGERS = ("monai.deploy.core.models",)
 
 
 class JsonFormatter(logging.Formatter):
@@ -43,6 +45,8 @@ def configure_logging(verbosity: int = 0) -> None:
     root.setLevel(level)
     for name in _LIBRARY_LOGGERS:
         logging.getLogger(name).setLevel(max(level, logging.WARNING))
+    for name in _ERRORS_ONLY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR if level > logging.DEBUG else logging.DEBUG)
     # Libraries' deprecation chatter (MONAI, Holoscan) shows only when asked for with -v.
     logging.captureWarnings(True)
     logging.getLogger("py.warnings").setLevel(logging.WARNING if level <= logging.INFO else logging.ERROR)

@@ -5,16 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pydicom
 from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
 from monai.deploy.core.domain.dicom_series import DICOMSeries
 from monai.deploy.core.domain.dicom_series_selection import SelectedSeries as SdkSelectedSeries
 from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
-from monai.deploy.core.domain.dicom_sop_instance import DICOMSOPInstance
 from monai.deploy.core.domain.dicom_study import DICOMStudy
+from monai.deploy.operators.dicom_data_loader_operator import DICOMDataLoaderOperator
 
 from medserve.dicom.select import SelectedSeries, load_rules, select_series
 from medserve.dicom.volume import ordered_instances
 from operators.failures import reports_failures
+
+_DEFER_BYTES = 4096
 
 
 class SeriesSelectorOperator(Operator):
@@ -25,14 +28,16 @@ class SeriesSelectorOperator(Operator):
 
     Named outputs:
         selected_series: list of `medserve.dicom.select.SelectedSeries`, in selection order.
-        study_selected_series_list: optional; the same selection as the SDK's List[StudySelectedSeries] (headers only;
-            pixel data is read from the files on access), for stock operators such as the SEG writer.
+        study_selected_series_list: with `sdk_selection=True`, the same selection as the SDK's
+            List[StudySelectedSeries] (pixel data deferred: read from the files on access), for stock operators
+            such as DICOMSeriesToVolumeOperator or the stock SEG writer.
     """
 
     def __init__(self, fragment: Fragment, *args, rules: str | Path | dict[str, Any] | None = None,
-                 all_matched: bool = False, **kwargs):
+                 all_matched: bool = False, sdk_selection: bool = False, **kwargs):
         self.rules = load_rules(rules)
         self.all_matched = all_matched
+        self.sdk_selection = sdk_selection
         super().__init__(fragment, *args, **kwargs)
 
     def setup(self, spec: OperatorSpec):
@@ -44,22 +49,26 @@ class SeriesSelectorOperator(Operator):
     def compute(self, op_input, op_output, context):
         selected = select_series(op_input.receive("study_index"), self.rules, all_matched=self.all_matched)
         op_output.emit(selected, "selected_series")
-        op_output.emit(as_sdk_selection(selected), "study_selected_series_list")
+        if self.sdk_selection:
+            op_output.emit(as_sdk_selection(selected), "study_selected_series_list")
 
 
 def as_sdk_selection(selected: list[SelectedSeries]) -> list[StudySelectedSeries]:
+    """Our selection as the stock loader + selector would have built it, attributes filled by the stock code."""
+    populate = DICOMDataLoaderOperator  # its attribute-copying methods use no instance state
     studies: dict[str, StudySelectedSeries] = {}
     for choice in selected:
         series = choice.series
+        # Stock operators read pixel_array from the datasets: defer it, so it comes from disk on access.
+        datasets = [pydicom.dcmread(i.path, defer_size=_DEFER_BYTES) for i in ordered_instances(series)]
         if series.study_uid not in studies:
             study = DICOMStudy(series.study_uid)
-            header = series.header
-            for keyword in ("StudyDate", "StudyTime", "StudyDescription", "AccessionNumber", "StudyID"):
-                setattr(study, keyword, header.get(keyword))
+            populate.populate_study_attributes(None, study, datasets[0])
             studies[series.study_uid] = StudySelectedSeries(study)
         sdk_series = DICOMSeries(series.series_uid)
-        for instance in ordered_instances(series):
-            sdk_series.add_sop_instance(DICOMSOPInstance(instance.dataset))
+        for dataset in datasets:
+            sdk_series.add_sop_instance(dataset)
+        populate.populate_series_attributes(None, sdk_series, datasets[0])
         studies[series.study_uid].study.add_series(sdk_series)
         studies[series.study_uid].add_selected_series(SdkSelectedSeries(choice.name, sdk_series, None))
     return list(studies.values())

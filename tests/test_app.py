@@ -1,0 +1,146 @@
+"""apps/bundle_seg end to end, run as a user runs it (a subprocess), and its refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import highdicom as hd
+import nibabel as nib
+import numpy as np
+import pydicom
+import pytest
+import torch
+
+from medserve.bundle import BundlePredictor
+from medserve.dicom.index import index_folder
+from medserve.dicom.select import select_series
+from medserve.dicom.volume import series_to_volume
+from medserve.pipeline import run_study
+from medserve.writers.nifti import nifti_affine
+from tests.conftest import DEMO_BUNDLE, dciodvfy_errors, dice, run_app
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_study, tmp_path_factory):
+    folder, written, phantom = demo_study
+    out = tmp_path_factory.mktemp("demo_out")
+    completed = run_app("-i", folder, "-o", out, "-m", DEMO_BUNDLE)
+    assert completed.returncode == 0, completed.stderr
+    return out, completed, phantom
+
+
+def test_app_writes_a_valid_seg_and_nifti_that_match_the_truth(demo_run, demo_study):
+    out, completed, phantom = demo_run
+    assert sorted(p.name for p in out.iterdir()) == ["labels.nii.gz", "seg.dcm"]
+    assert "1 segment(s) found (spleen:" in completed.stdout
+    assert "Traceback" not in completed.stderr
+    assert dciodvfy_errors(out / "seg.dcm") == []
+
+    source = series_to_volume(select_series(index_folder(demo_study[0]))[0].series)
+    nifti = nib.load(out / "labels.nii.gz")
+    np.testing.assert_allclose(nifti.affine, nifti_affine(source), atol=1e-4)
+    labels = np.asarray(nifti.dataobj).transpose(2, 1, 0)
+    assert dice(labels, phantom.organ) >= 0.9
+
+    seg = hd.seg.segread(out / "seg.dcm")
+    assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == demo_study[1].series_uid
+    back = seg.get_volume(combine_segments=True).match_geometry(source)
+    np.testing.assert_array_equal(back.array, labels)
+
+
+def test_holoscan_environment_variables_work_like_the_flags(demo_run, demo_study, tmp_path):
+    out = tmp_path / "env_out"
+    completed = run_app(env={"HOLOSCAN_INPUT_PATH": str(demo_study[0]), "HOLOSCAN_OUTPUT_PATH": str(out),
+                             "HOLOSCAN_MODEL_PATH": str(DEMO_BUNDLE.parent)})  # a models folder, as in a MAP
+    assert completed.returncode == 0, completed.stderr
+    flags = pydicom.dcmread(demo_run[0] / "seg.dcm")
+    env = pydicom.dcmread(out / "seg.dcm")
+    assert env.PixelData == flags.PixelData
+
+
+def test_pipeline_gives_the_same_pixels_as_the_app(demo_run, demo_study, tmp_path):
+    """One core: the in-process pipeline (what the server runs) and the Holoscan app agree bit for bit."""
+    result = run_study(demo_study[0], BundlePredictor.from_dir(DEMO_BUNDLE, device="cpu"), tmp_path)
+    assert pydicom.dcmread(result.seg_path).PixelData == pydicom.dcmread(demo_run[0] / "seg.dcm").PixelData
+    assert np.array_equal(np.asarray(nib.load(result.nifti_path).dataobj),
+                          np.asarray(nib.load(demo_run[0] / "labels.nii.gz").dataobj))
+    assert result.segments["spleen"] > 0
+
+
+def test_stock_sdk_operators_read_our_selection(demo_study):
+    """Interop: the stock series-to-volume operator consumes our selector's SDK-typed output unchanged."""
+    from monai.deploy.core import Fragment
+    from monai.deploy.operators.dicom_series_to_volume_operator import DICOMSeriesToVolumeOperator
+
+    from operators.series_selector import as_sdk_selection
+    from operators.series_to_volume import sdk_image
+
+    selected = select_series(index_folder(demo_study[0]))
+    stock = DICOMSeriesToVolumeOperator(Fragment(), name="stock").convert_to_image(as_sdk_selection(selected))
+    ours = series_to_volume(selected[0].series)
+    np.testing.assert_allclose(stock.asnumpy(), ours.array, atol=1e-3)
+    image = sdk_image(ours, selected[0].series, selected[0].name)
+    for key in ("row_pixel_spacing", "col_pixel_spacing", "depth_pixel_spacing"):
+        assert image.metadata()[key] == pytest.approx(stock.metadata()[key])
+    np.testing.assert_allclose(image.metadata()["affine"], stock.metadata()["affine"], atol=1e-4)
+
+
+def _bad_bundle(tmp_path: Path, damage: str) -> Path:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(DEMO_BUNDLE, bundle)
+    if damage == "no weights":
+        (bundle / "models" / "model.pt").unlink()
+    elif damage == "malformed config":
+        (bundle / "configs" / "inference.json").write_text("{ this is not json")
+    elif damage == "weights do not fit":
+        torch.save(torch.nn.Linear(3, 3).state_dict(), bundle / "models" / "model.pt")
+    return bundle
+
+
+def _damaged_study(tmp_path: Path, demo_study, damage: str) -> Path:
+    folder = tmp_path / "study"
+    if damage == "empty":
+        folder.mkdir()
+        return folder
+    if damage == "no dicom":
+        folder.mkdir()
+        (folder / "scan.txt").write_text("hello")
+        return folder
+    shutil.copytree(demo_study[0], folder)
+    paths = sorted(folder.iterdir())
+    if damage == "corrupt file":
+        paths[3].write_bytes(paths[3].read_bytes()[:-5000])
+    elif damage == "missing slice":
+        paths[len(paths) // 2].unlink()
+    return folder
+
+
+BAD_INPUTS = [
+    ("empty", None, "is empty"),
+    ("no dicom", None, "no DICOM files found"),
+    ("corrupt file", None, "pixel data is truncated"),
+    ("missing slice", None, r"missing 1 slice\(s\)"),
+    ("fine", "no series", "no series in .* matches the selection rules"),
+    ("fine", "no weights", "no weights; expected models/model.pt"),
+    ("fine", "malformed config", "inference.json: cannot read config"),
+    ("fine", "weights do not fit", "weights do not fit network_def UNet"),
+]
+
+
+@pytest.mark.parametrize("study_damage,bundle_damage,message", BAD_INPUTS)
+def test_bad_input_exits_non_zero_with_a_clear_message_and_no_output(tmp_path, demo_study, study_damage,
+                                                                     bundle_damage, message):
+    study = _damaged_study(tmp_path, demo_study, study_damage)
+    bundle = _bad_bundle(tmp_path, bundle_damage) if bundle_damage not in (None, "no series") else DEMO_BUNDLE
+    out = tmp_path / "out"
+    extra = ["--rules", json.dumps({"selections": [{"name": "mr", "conditions": {"Modality": "MR"}}]})] \
+        if bundle_damage == "no series" else []
+    completed = run_app("-i", study, "-o", out, "-m", bundle, *extra)
+    assert completed.returncode != 0
+    assert "Traceback" not in completed.stderr + completed.stdout
+    import re
+
+    assert re.search(message, completed.stderr), completed.stderr
+    assert not out.exists() or not any(out.iterdir())
