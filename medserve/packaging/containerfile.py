@@ -72,8 +72,9 @@ RUN set -e; \\
     (id -u holoscan >/dev/null 2>&1 || useradd -m -d /home/holoscan -s /bin/bash -g {inputs.gid} -u {inputs.uid} holoscan); \\
     chown -R {inputs.uid}:{inputs.gid} {layout.WORK_DIR}
 
-# deps {fingerprint}
-RUN --mount=type=bind,source=pip,target=/tmp/pip set -e; \\
+# The fingerprint (requirements, wheel names and sizes, variant) is part of the command on purpose: the layer
+# cache keys on the instruction text only, never on bind-mounted content, and drops comment lines.
+RUN --mount=type=bind,source=pip,target=/tmp/pip set -e; : deps-{fingerprint}; \\
     python3 -m venv {layout.VENV_DIR}; \\
     PIP_CERT=/tmp/pip/ca.crt PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \\
         {layout.VENV_DIR}/bin/pip install -q {_pip_index_args(inputs)} -r /tmp/pip/requirements.txt; \\

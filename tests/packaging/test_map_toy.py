@@ -100,6 +100,9 @@ def test_layout_manifests_labels_env(toy_image: str) -> None:
     # the CA bundle and wheels were mounted into the pip step only, never copied into the image
     assert podman_run(toy_image, "/tmp/pip", entrypoint="ls").returncode != 0
     assert podman_run(toy_image, "/opt/holoscan/app", entrypoint="ls").returncode == 0
+    # its environment is what its requirements say (pyyaml), not a cached one from another MAP
+    assert podman_run(toy_image, "-c", "import yaml", entrypoint="python3").returncode == 0
+    assert podman_run(toy_image, "-c", "import torch", entrypoint="python3").returncode != 0
 
 
 def _tools(image: str, *args: str, volumes: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
@@ -159,6 +162,25 @@ def test_rebuild_reuses_dependency_layer(toy_image: str, toy: dict[str, Path], b
         assert old[:3] == new[:3]  # base, user/dirs, venv
         assert old[-1] != new[-1]  # the app layer
         assert result.seconds < 60
+    finally:
+        remove_image(tag)
+
+
+def test_changed_requirements_rebuild_dependency_layer(toy_image: str, toy: dict[str, Path], base_image: str) -> None:
+    """The pip step bind-mounts its inputs, which the layer cache cannot see: new pins must still rebuild it."""
+    def layers(tag: str) -> list[str]:
+        return json.loads(podman("image", "inspect", tag).stdout)[0]["RootFS"]["Layers"]
+
+    app3 = toy["root"] / "app3"
+    app3.mkdir(exist_ok=True)
+    (app3 / "app.py").write_text(APP)
+    (app3 / "requirements.txt").write_text("pyyaml>=6\n")  # same wheel, different requirement
+    tag = "localhost/medserve-test-toy:newpins"
+    try:
+        package(PackageRequest(app3, toy["config"], tag, models=toy["models"], base_image=base_image,
+                               builder="buildah", wheel_dir=toy["wheels"], variant="cpu", docs=toy["docs"]))
+        old, new = layers(toy_image), layers(tag)
+        assert old[:2] == new[:2] and old[2] != new[2]
     finally:
         remove_image(tag)
 
