@@ -5,6 +5,7 @@ directory downloaded once with the host's pip configuration."""
 from __future__ import annotations
 
 import crypt  # bcrypt htpasswd lines for the registry (libxcrypt); deprecated but present on 3.11
+import os
 import shutil
 import socket
 import subprocess
@@ -22,6 +23,8 @@ from medserve.packaging.base import build_base_image, image_exists
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = ("buildah", "podman", "skopeo", "runc", "debootstrap", "docker-registry")
+# Image tags are per test session: several sessions (a developer's and `make test`) may share one image store.
+SESSION = f"s{os.getpid()}"
 
 
 def _missing_tools() -> list[str]:

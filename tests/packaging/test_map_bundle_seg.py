@@ -14,14 +14,14 @@ import numpy as np
 import pydicom
 import pytest
 
-from conftest import REPO, podman_run, remove_image
+from conftest import REPO, SESSION, podman_run, remove_image
 from medserve.cli import main as cli_main
 from medserve.packaging.config import read_app_config
 from medserve.packaging.context import app_requirements
 from medserve.packaging.manifest import find_app
 from medserve.packaging.run import inspect
 
-TAG = "localhost/medserve-test-bundle-seg:e2e"
+TAG = f"localhost/medserve-test-bundle-seg:{SESSION}"
 APP = REPO / "apps" / "bundle_seg"
 BUNDLE = REPO / "bundles" / "demo_organ_seg"
 pytestmark = pytest.mark.slow

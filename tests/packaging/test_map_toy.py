@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, podman, podman_run, remove_image
+from conftest import SESSION, free_port, podman, podman_run, remove_image
 from medserve.cli import main as cli_main
 from medserve.errors import PackagingError
 from medserve.packaging import registry as reg
 from medserve.packaging.build import PackageRequest, package
 from medserve.packaging.run import RunRequest, inspect, run
 
-TAG = "localhost/medserve-test-toy:0.3"
+TAG = f"localhost/medserve-test-toy:{SESSION}"
 APP = '''\
 import os, pathlib, yaml
 out = pathlib.Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
@@ -154,7 +154,7 @@ def test_rebuild_reuses_dependency_layer(toy_image: str, toy: dict[str, Path], b
     app2.mkdir(exist_ok=True)
     (app2 / "app.py").write_text(APP + "# changed\n")
     (app2 / "requirements.txt").write_text("pyyaml==6.0.4\n")
-    tag = "localhost/medserve-test-toy:changed"
+    tag = f"localhost/medserve-test-toy:{SESSION}-changed"
     try:
         result = package(PackageRequest(app2, toy["config"], tag, models=toy["models"], base_image=base_image,
                                         builder="buildah", wheel_dir=toy["wheels"], variant="cpu", docs=toy["docs"]))
@@ -175,7 +175,7 @@ def test_changed_requirements_rebuild_dependency_layer(toy_image: str, toy: dict
     app3.mkdir(exist_ok=True)
     (app3 / "app.py").write_text(APP)
     (app3 / "requirements.txt").write_text("pyyaml>=6\n")  # same wheel, different requirement
-    tag = "localhost/medserve-test-toy:newpins"
+    tag = f"localhost/medserve-test-toy:{SESSION}-newpins"
     try:
         package(PackageRequest(app3, toy["config"], tag, models=toy["models"], base_image=base_image,
                                builder="buildah", wheel_dir=toy["wheels"], variant="cpu", docs=toy["docs"]))
@@ -187,7 +187,7 @@ def test_changed_requirements_rebuild_dependency_layer(toy_image: str, toy: dict
 
 def test_push_pull_digests_match_and_run_from_registry(toy_image: str, registry, tmp_path: Path) -> None:
     host = registry()
-    reference = f"{host}/medserve/toy:0.3"
+    reference = f"{host}/medserve/toy:{SESSION}"
     digest = reg.push(toy_image, reference, "buildah")
     assert digest.startswith("sha256:")
     assert reg.remote_digest(reference) == digest
@@ -214,7 +214,7 @@ def test_push_unreachable_registry(toy_image: str) -> None:
 
 def test_push_credentials(toy_image: str, registry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     host = registry(users={"alice": "correct-horse"})
-    reference = f"{host}/medserve/toy:0.3"
+    reference = f"{host}/medserve/toy:{SESSION}"
     with pytest.raises(PackagingError, match="rejected no credentials"):
         reg.push(toy_image, reference, "buildah")
     monkeypatch.setenv("MEDSERVE_REGISTRY_USER", "alice")
