@@ -264,16 +264,16 @@ def worker_seg(impl: str, syntax: str) -> dict:
         if impl == "ours":
             from medserve.dicom.index import index_folder
             from medserve.dicom.select import select_series
-            from medserve.pipeline import seg_source
+            from medserve.dicom.volume import load_series
             from medserve.writers.seg import Algorithm, build_seg, write_seg
 
-            series = select_series(index_folder(folder))[0].series
+            source = load_series(select_series(index_folder(folder))[0].series)  # as the pipeline has it
             label_map = bench_label_map()
             gc.collect()
             meter = PeakMeter()
             meter.start()
             started = time.perf_counter()
-            seg = build_seg(label_map, seg_source(series), SEG_LABELS, Algorithm(*ALGORITHM))
+            seg = build_seg(label_map, source.source_datasets, SEG_LABELS, Algorithm(*ALGORITHM))
             path = write_seg(seg, out_dir / "seg.dcm")
             wall = time.perf_counter() - started
         else:

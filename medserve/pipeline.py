@@ -16,9 +16,9 @@ import nibabel as nib
 import numpy as np
 
 from medserve.bundle.predictor import BundlePredictor
-from medserve.dicom.index import Series, index_folder
+from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import ordered_instances, series_to_volume
+from medserve.dicom.volume import LoadedSeries, load_series
 from medserve.errors import DicomInputError
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
@@ -51,16 +51,10 @@ def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, i
     return {labels.get(int(v), f"label {int(v)}"): int(c) for v, c in zip(values, counts) if v != 0}
 
 
-def seg_source(series: Series) -> list[Any]:
-    """The datasets a SEG of `series` references, in the volume's slice order."""
-    return [instance.dataset for instance in ordered_instances(series)]
-
-
-def segmentation_of(series: Series, volume: hd.Volume, label_map: np.ndarray,
-                    predictor: BundlePredictor) -> hd.seg.Segmentation:
+def segmentation_of(source: LoadedSeries, label_map: np.ndarray, predictor: BundlePredictor) -> hd.seg.Segmentation:
     # A multi-frame source's frames need not be in volume order: highdicom maps a Volume onto them itself.
-    pixels = volume.with_array(label_map) if series.is_multiframe else label_map
-    return build_seg(pixels, seg_source(series), predictor.labels, Algorithm(predictor.name, predictor.version))
+    pixels = source.volume.with_array(label_map) if source.series.is_multiframe else label_map
+    return build_seg(pixels, source.source_datasets, predictor.labels, Algorithm(predictor.name, predictor.version))
 
 
 def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path | str, *,
@@ -77,14 +71,14 @@ def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path |
 
     index = index_folder(study_dir)
     selected = select_series(index, rules)[0].series
-    volume = series_to_volume(selected)
+    source = load_series(selected)
     lap("load")
-    label_map = predictor.predict(volume)
+    label_map = predictor.predict(source.volume)
     lap("inference")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    seg_path = write_seg(segmentation_of(selected, volume, label_map, predictor), out / SEG_NAME)
-    nifti_path = write_nifti(label_map, volume, out / NIFTI_NAME) if nifti else None
+    seg_path = write_seg(segmentation_of(source, label_map, predictor), out / SEG_NAME)
+    nifti_path = write_nifti(label_map, source.volume, out / NIFTI_NAME) if nifti else None
     lap("write")
     result = StudyResult(seg_path=seg_path, nifti_path=nifti_path, study_uid=selected.study_uid,
                          series_uid=selected.series_uid, segments=segment_counts(label_map, predictor.labels),

@@ -19,8 +19,7 @@ class SegWriterOperator(Operator):
 
     Named inputs:
         label_map: uint16 label map from BundleInferenceOperator.
-        volume: the volume it was computed on (geometry).
-        series: the source Series (referenced instances, patient/study attributes).
+        source: the LoadedSeries it was computed on (geometry, referenced instances, patient/study attributes).
 
     Named output:
         seg_path: Path of the written file (written under a temporary name, then renamed).
@@ -33,15 +32,13 @@ class SegWriterOperator(Operator):
 
     def setup(self, spec: OperatorSpec):
         spec.input("label_map")
-        spec.input("volume")
-        spec.input("series")
+        spec.input("source")
         spec.output("seg_path")
 
     @reports_failures
     def compute(self, op_input, op_output, context):
         label_map = op_input.receive("label_map")
-        volume = op_input.receive("volume")
-        series = op_input.receive("series")
+        source = op_input.receive("source")
         self.output_folder.mkdir(parents=True, exist_ok=True)
-        segmentation = segmentation_of(series, volume, label_map, self.predictor)
+        segmentation = segmentation_of(source, label_map, self.predictor)
         op_output.emit(write_seg(segmentation, self.output_folder / SEG_NAME), "seg_path")

@@ -8,7 +8,7 @@ from monai.deploy.core import ConditionType, Operator, OperatorSpec
 from monai.deploy.core.domain.image import Image
 
 from medserve.dicom.index import Series
-from medserve.dicom.volume import series_to_volume
+from medserve.dicom.volume import load_series
 from medserve.writers.nifti import nifti_affine
 from operators.failures import reports_failures
 
@@ -21,7 +21,8 @@ class SeriesToVolumeOperator(Operator):
 
     Named outputs:
         volume: `highdicom.Volume`, array (slice, row, column), LPS affine.
-        series: the `medserve.dicom.index.Series` the volume came from (the SEG writer references it).
+        source: `medserve.dicom.volume.LoadedSeries`: the series, its volume and its instances in slice order
+            (what the SEG writer references).
         image: optional; the SDK `Image` the stock DICOMSeriesToVolumeOperator emits (DHW array, RAS "affine", the
             spacing/direction metadata keys), for stock inference operators.
     """
@@ -29,16 +30,16 @@ class SeriesToVolumeOperator(Operator):
     def setup(self, spec: OperatorSpec):
         spec.input("selected_series")
         spec.output("volume")
-        spec.output("series")
+        spec.output("source")
         spec.output("image").condition(ConditionType.NONE)
 
     @reports_failures
     def compute(self, op_input, op_output, context):
         choice = op_input.receive("selected_series")[0]
-        volume = series_to_volume(choice.series)
-        op_output.emit(volume, "volume")
-        op_output.emit(choice.series, "series")
-        op_output.emit(sdk_image(volume, choice.series, choice.name), "image")
+        source = load_series(choice.series)
+        op_output.emit(source.volume, "volume")
+        op_output.emit(source, "source")
+        op_output.emit(sdk_image(source.volume, choice.series, choice.name), "image")
 
 
 def sdk_image(volume: hd.Volume, series: Series, selection_name: str) -> Image:

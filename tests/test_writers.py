@@ -13,8 +13,7 @@ import pytest
 from medserve.demo.phantom import make_phantom
 from medserve.demo.study import Patient, SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
-from medserve.dicom.volume import series_to_volume
-from medserve.pipeline import seg_source
+from medserve.dicom.volume import load_series
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, segment_concept, write_seg
 from tests.conftest import dciodvfy_errors
@@ -25,20 +24,20 @@ LABELS = {1: "spleen", 2: "Right Kidney", 3: "inferior_vena_cava", 4: "tumour co
 def study(folder: Path, patient: Patient = Patient(), geometry: SeriesGeometry = SeriesGeometry()):
     phantom = make_phantom(shape=(16, 32, 32), seed=4)
     write_ct_series(phantom.hu, folder, geometry, patient=patient, file_order_seed=1)
-    series = index_folder(folder).all_series[0]
-    return series, series_to_volume(series)
+    loaded = load_series(index_folder(folder).all_series[0])
+    return loaded.series, loaded
 
 
-def multi_label(volume: hd.Volume) -> np.ndarray:
-    label_map = np.zeros(volume.array.shape, dtype=np.uint16)
+def multi_label(loaded) -> np.ndarray:
+    label_map = np.zeros(loaded.volume.array.shape, dtype=np.uint16)
     label_map[2:6, 4:12, 4:12] = 1
     label_map[8:10, 20:28, 6:9] = 2
     label_map[12, 10:20, 10:20] = 4  # label 3 is absent: an empty segment
     return label_map
 
 
-def write(tmp_path: Path, series, volume, label_map) -> Path:
-    seg = build_seg(label_map, seg_source(series), LABELS, Algorithm("demo_organ_seg", "0.1.0"))
+def write(tmp_path: Path, series, loaded, label_map) -> Path:
+    seg = build_seg(label_map, loaded.source_datasets, LABELS, Algorithm("demo_organ_seg", "0.1.0"))
     return write_seg(seg, tmp_path / "seg.dcm")
 
 
@@ -49,7 +48,7 @@ def test_seg_is_valid_and_reads_back_to_the_label_map(tmp_path, orientation):
     path = write(tmp_path, series, volume, label_map)
     assert dciodvfy_errors(path) == []
     seg = hd.seg.segread(path)
-    back = seg.get_volume(combine_segments=True, relabel=False).match_geometry(volume)
+    back = seg.get_volume(combine_segments=True, relabel=False).match_geometry(volume.volume)
     np.testing.assert_array_equal(back.array, label_map)
 
 
@@ -95,9 +94,9 @@ def test_nifti_has_the_source_geometry(tmp_path):
     geometry = SeriesGeometry(origin=(5.0, -7.0, 11.0), orientation=(0, 1, 0, 0, 0, -1))
     series, volume = study(tmp_path / "study", geometry=geometry)
     label_map = multi_label(volume)
-    image = nib.load(write_nifti(label_map, volume, tmp_path / "labels.nii.gz"))
+    image = nib.load(write_nifti(label_map, volume.volume, tmp_path / "labels.nii.gz"))
     np.testing.assert_array_equal(np.asarray(image.dataobj).transpose(2, 1, 0), label_map)
-    lps = volume.affine @ [2, 3, 4, 1]
+    lps = volume.volume.affine @ [2, 3, 4, 1]
     ras = image.affine @ [4, 3, 2, 1]
     np.testing.assert_allclose(ras[:3], lps[:3] * [-1, -1, 1], atol=1e-4)
     assert image.get_data_dtype() == np.uint16

@@ -68,7 +68,7 @@ class BundleSegApp(Application):
         self.add_flow(selector, to_volume, {("selected_series", "selected_series")})
         self.add_flow(to_volume, inference, {("volume", "volume")})
         self.add_flow(inference, seg_writer, {("label_map", "label_map")})
-        self.add_flow(to_volume, seg_writer, {("volume", "volume"), ("series", "series")})
+        self.add_flow(to_volume, seg_writer, {("source", "source")})
         self.add_flow(inference, summary, {("label_map", "label_map")})
         self.add_flow(seg_writer, summary, {("seg_path", "seg_path")})
         if self.nifti:

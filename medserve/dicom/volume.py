@@ -2,11 +2,12 @@
 
 The array is indexed (slice, row, column) and the affine maps those indices to LPS patient coordinates in mm,
 slices ordered along the slice normal (a right-handed frame), whatever order the files came in. Geometry comes
-from highdicom (`get_volume_positions`, `Volume.from_attributes`); we only check the series first, so that a
+from highdicom (`get_volume_positions`); we only check the series first, so that a
 broken series is refused with the reason rather than turned into a silently wrong volume.
 
 Uncompressed little-endian pixel data is read straight from the file into the preallocated volume (no
-per-file dataset copy); compressed transfer syntaxes are decoded by pydicom's plugins, several files at once.
+per-file dataset copy) and so is RLE Lossless, decoded by pylibjpeg-rle; other compressed transfer syntaxes are
+decoded by pydicom's plugins. Several slices are read at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from dataclasses import dataclass
 import highdicom as hd
 import numpy as np
 import pydicom
-from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
+from pydicom.encaps import generate_frames
+from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
+from rle.utils import decode_frame as decode_rle_frame
 
 from medserve.dicom.index import Instance, Series
 from medserve.errors import VolumeError
@@ -39,19 +42,34 @@ class SpacingTolerance:
     rtol: float = 0.01
 
 
-def series_to_volume(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> hd.Volume:
+@dataclass(frozen=True)
+class LoadedSeries:
+    """A series read into a volume, with its instances in the volume's slice order (what a SEG references)."""
+
+    series: Series
+    volume: hd.Volume
+    instances: list[Instance]
+
+    @property
+    def source_datasets(self) -> list[pydicom.Dataset]:
+        return [instance.dataset for instance in self.instances]
+
+
+def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> LoadedSeries:
     """Build the volume of `series`; raise VolumeError naming the file and the problem if it is not regular."""
     if series.is_multiframe:
-        return _multiframe_volume(series.instances[0])
-    instances = series.instances
-    _check_geometry_attributes(instances)
-    order, spacing = _slice_order(instances, tolerance)
-    ordered = [instances[i] for i in order]
+        return LoadedSeries(series, _multiframe_volume(series.instances[0]), list(series.instances))
+    ordered, spacing = _volume_order(series, tolerance)
     first = ordered[0].dataset
     array = np.empty((len(ordered), int(first.Rows), int(first.Columns)), dtype=np.float32)
     _read_pixels_into(ordered, array)
-    return hd.Volume(array=array, affine=slice_affine(first, spacing), coordinate_system="PATIENT",
-                     frame_of_reference_uid=first.get("FrameOfReferenceUID"))
+    volume = hd.Volume(array=array, affine=slice_affine(first, spacing), coordinate_system="PATIENT",
+                       frame_of_reference_uid=first.get("FrameOfReferenceUID"))
+    return LoadedSeries(series, volume, ordered)
+
+
+def series_to_volume(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> hd.Volume:
+    return load_series(series, tolerance).volume
 
 
 def slice_affine(first: pydicom.Dataset, spacing: float) -> np.ndarray:
@@ -70,16 +88,23 @@ def slice_affine(first: pydicom.Dataset, spacing: float) -> np.ndarray:
 
 
 def ordered_instances(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> list[Instance]:
-    """The series' instances in volume order (slice index 0 first), as `series_to_volume` stacks them."""
+    """The series' instances in volume order (slice index 0 first), as `load_series` stacks them."""
+    return _volume_order(series, tolerance)[0]
+
+
+def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Instance], float]:
+    """Instances in volume order and the slice spacing, after checking the series' geometry."""
     if series.is_multiframe:
-        return list(series.instances)
+        return list(series.instances), 0.0
     _check_geometry_attributes(series.instances)
-    order, _ = _slice_order(series.instances, tolerance)
-    return [series.instances[i] for i in order]
+    order, spacing = _slice_order(series.instances, tolerance)
+    return [series.instances[i] for i in order], spacing
 
 
 def _check_geometry_attributes(instances: list[Instance]) -> None:
     first = instances[0].dataset
+    shape = (first.get("Rows"), first.get("Columns"))
+    orientations = []
     for instance in instances:
         dataset = instance.dataset
         for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing", "Rows", "Columns"):
@@ -89,14 +114,16 @@ def _check_geometry_attributes(instances: list[Instance]) -> None:
         if int(dataset.get("SamplesPerPixel", 1)) != 1:
             raise VolumeError(f"{instance.path}: SamplesPerPixel is {dataset.SamplesPerPixel}; expected 1 "
                               f"(greyscale CT/MR)")
-        if (dataset.Rows, dataset.Columns) != (first.Rows, first.Columns):
+        if (dataset.Rows, dataset.Columns) != shape:
             raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
-                              f"{first.Rows}x{first.Columns} of {instances[0].path}: mixed sizes in one series")
-        if not np.allclose(np.asarray(dataset.ImageOrientationPatient, dtype=float),
-                           np.asarray(first.ImageOrientationPatient, dtype=float), atol=_ORIENTATION_TOLERANCE):
-            raise VolumeError(f"{instance.path}: ImageOrientationPatient {list(dataset.ImageOrientationPatient)} "
-                              f"differs from {list(first.ImageOrientationPatient)} of {instances[0].path}: "
-                              f"mixed orientations in one series")
+                              f"{shape[0]}x{shape[1]} of {instances[0].path}: mixed sizes in one series")
+        orientations.append(dataset.ImageOrientationPatient)
+    deviation = np.abs(np.asarray(orientations, dtype=np.float64) - np.asarray(orientations[0], dtype=np.float64))
+    odd = np.flatnonzero(deviation.max(axis=1) > _ORIENTATION_TOLERANCE)
+    if odd.size:
+        instance = instances[int(odd[0])]
+        raise VolumeError(f"{instance.path}: ImageOrientationPatient {list(orientations[odd[0]])} differs from "
+                          f"{list(orientations[0])} of {instances[0].path}: mixed orientations in one series")
 
 
 def _slice_order(instances: list[Instance], tolerance: SpacingTolerance) -> tuple[list[int], float]:
@@ -133,19 +160,24 @@ def _slice_order(instances: list[Instance], tolerance: SpacingTolerance) -> tupl
 
 
 def _read_pixels_into(instances: list[Instance], array: np.ndarray) -> None:
-    """Fill `array[k]` with slice k of `instances`, rescaled to modality units, in place."""
-    native = [k for k, instance in enumerate(instances) if _is_native(instance)]
-    encoded = [k for k, instance in enumerate(instances) if not _is_native(instance)]
-    for k in native:
-        _read_native_slice(instances[k], array[k])
-    if encoded:
-        workers = min(len(encoded), os.cpu_count() or 1)
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(lambda k: _decode_slice(instances[k], array[k]), encoded))
+    """Fill `array[k]` with slice k of `instances`, rescaled to modality units, in place.
 
+    Slices are read by a few threads: file reads, the RLE decoder and numpy's conversions release the GIL for
+    most of their time, and each thread writes only its own slices of the preallocated array.
+    """
+    def read(k: int) -> None:
+        instance = instances[k]
+        syntax = instance.dataset.file_meta.get("TransferSyntaxUID")
+        if syntax in _NATIVE_LITTLE_ENDIAN:
+            _read_native_slice(instance, array[k])
+        elif syntax == RLELossless:
+            _decode_rle_slice(instance, array[k])
+        else:
+            _decode_slice(instance, array[k])
 
-def _is_native(instance: Instance) -> bool:
-    return instance.dataset.file_meta.get("TransferSyntaxUID") in _NATIVE_LITTLE_ENDIAN
+    workers = max(1, min(len(instances), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(read, range(len(instances))))
 
 
 def _pixel_dtype(instance: Instance) -> np.dtype:
@@ -157,22 +189,41 @@ def _pixel_dtype(instance: Instance) -> np.dtype:
     return np.dtype(f"<{kind}{bits // 8}")
 
 
-def _read_native_slice(instance: Instance, out: np.ndarray) -> None:
+def _pixel_value(instance: Instance) -> tuple[int, bytes]:
+    """The Pixel Data element's declared length and the bytes after its header, read from the stored offset."""
     if instance.pixel_data_offset is None:
         raise VolumeError(f"{instance.path}: no Pixel Data element")
-    dataset = instance.dataset
-    dtype = _pixel_dtype(instance)
-    count = out.size
-    header_bytes = 8 if dataset.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian else 12
+    header_bytes = 8 if instance.dataset.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian else 12
     with instance.path.open("rb") as stream:
         stream.seek(instance.pixel_data_offset + header_bytes - 4)
         declared = int.from_bytes(stream.read(4), "little")
-        raw = np.fromfile(stream, dtype=dtype, count=count)
-    if declared < count * dtype.itemsize or raw.size < count:
-        raise VolumeError(f"{instance.path}: pixel data is truncated ({raw.size * dtype.itemsize} of "
-                          f"{count * dtype.itemsize} bytes)")
-    raw = _mask_stored_bits(dataset, raw)
-    _rescale_into(dataset, raw.reshape(out.shape), out)
+        return declared, stream.read()
+
+
+def _read_native_slice(instance: Instance, out: np.ndarray) -> None:
+    dtype = _pixel_dtype(instance)
+    expected = out.size * dtype.itemsize
+    declared, value = _pixel_value(instance)
+    if declared < expected or len(value) < expected:
+        raise VolumeError(f"{instance.path}: pixel data is truncated ({min(len(value), declared)} of "
+                          f"{expected} bytes)")
+    raw = _mask_stored_bits(instance.dataset, np.frombuffer(value, dtype=dtype, count=out.size))
+    _rescale_into(instance.dataset, raw.reshape(out.shape), out)
+
+
+def _decode_rle_slice(instance: Instance, out: np.ndarray) -> None:
+    """RLE Lossless straight from the file's encapsulated fragments with pylibjpeg-rle's frame decoder."""
+    dtype = _pixel_dtype(instance)
+    _, value = _pixel_value(instance)
+    try:
+        frame = next(generate_frames(value, number_of_frames=1))
+        pixels = np.frombuffer(decode_rle_frame(frame, out.size, dtype.itemsize * 8, "<"), dtype=dtype)
+    except Exception as error:  # the decoder raises ValueError/StopIteration on damaged streams
+        raise VolumeError(f"{instance.path}: cannot decode pixel data ({_transfer_syntax_name(instance)}): "
+                          f"{error}") from error
+    if pixels.size != out.size:
+        raise VolumeError(f"{instance.path}: decoded frame has {pixels.size} pixels; expected {out.size}")
+    _rescale_into(instance.dataset, _mask_stored_bits(instance.dataset, pixels).reshape(out.shape), out)
 
 
 def _decode_slice(instance: Instance, out: np.ndarray) -> None:
@@ -203,13 +254,15 @@ def _mask_stored_bits(dataset: pydicom.Dataset, raw: np.ndarray) -> np.ndarray:
 
 
 def _rescale_into(dataset: pydicom.Dataset, pixels: np.ndarray, out: np.ndarray) -> None:
-    np.copyto(out, pixels, casting="unsafe")
-    slope = float(dataset.get("RescaleSlope", 1.0) or 1.0)
-    intercept = float(dataset.get("RescaleIntercept", 0.0) or 0.0)
-    if slope != 1.0:
-        out *= slope
-    if intercept != 0.0:
-        out += intercept
+    """out = pixels * slope + intercept, in float32, in as few passes over the slice as the values allow."""
+    slope = np.float32(dataset.get("RescaleSlope", 1.0) or 1.0)
+    intercept = np.float32(dataset.get("RescaleIntercept", 0.0) or 0.0)
+    if slope == 1.0:
+        np.add(pixels, intercept, out=out, casting="unsafe")
+    else:
+        np.multiply(pixels, slope, out=out, casting="unsafe")
+        if intercept != 0.0:
+            out += intercept
 
 
 def _multiframe_volume(instance: Instance) -> hd.Volume:
