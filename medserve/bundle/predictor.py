@@ -32,6 +32,9 @@ _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 MAX_LABEL = 65535
 # Arguments that published zoo bundles pass and later MONAI releases removed; they never affect the weights.
 _REMOVED_NETWORK_ARGUMENTS = {"SwinUNETR": ("img_size",)}
+# monai.bundle's component locator iterates sys.modules; an import in another thread (a server loading bundles
+# while serving) makes that fail with "dictionary changed size during iteration". The parse is pure: retry it.
+_IMPORT_RACE_ATTEMPTS = 5
 
 
 def default_device() -> torch.device:
@@ -76,9 +79,16 @@ class BundlePredictor:
         """Load the bundle at `path` on `device` (default: CUDA when available, else CPU)."""
         layout = BundleLayout.find(path)
         device = torch.device(device) if device is not None else default_device()
-        parser = _parse_config(layout, device)
-        network = _load_network(layout, parser, device)
-        predictor = cls(layout, parser, network, device)
+        for attempt in range(_IMPORT_RACE_ATTEMPTS):
+            try:
+                parser = _parse_config(layout, device)
+                network = _load_network(layout, parser, device)
+                predictor = cls(layout, parser, network, device)
+                break
+            except BundleError as error:
+                if attempt + 1 == _IMPORT_RACE_ATTEMPTS or not _is_import_race(error):
+                    raise
+                log.info("retrying bundle load after a concurrent import", extra={"bundle": layout.name})
         log.info("loaded bundle", extra={"bundle": layout.name, "device": str(device),
                                          "labels": len(predictor.labels)})
         return predictor
@@ -138,6 +148,14 @@ class BundlePredictor:
             raise BundleError(f"bundle {self.name}: label values {values.min()}..{values.max()} are outside "
                               f"0..{MAX_LABEL}")
         return np.rint(values).astype(np.uint16)
+
+
+def _is_import_race(error: BaseException | None) -> bool:
+    while error is not None:
+        if isinstance(error, RuntimeError) and "changed size during iteration" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def _parse_config(layout: BundleLayout, device: torch.device) -> ConfigParser:
