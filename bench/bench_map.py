@@ -91,7 +91,8 @@ def main() -> int:
         results["run_container_s"] = {"median": round(statistics.median(container), 2),
                                       "all": [round(v, 2) for v in container]}
         results["run_direct_s"] = {"median": round(statistics.median(direct), 2), "all": [round(v, 2) for v in direct]}
-    subprocess.run([*base_command("podman"), "rmi", "-f", TAG], capture_output=True)
+    # untag only: rmi would also delete the cached layers that `make test` reuses
+    subprocess.run([*base_command("podman"), "untag", TAG, TAG], capture_output=True)
 
     target = REPO / "bench" / "results" / "map.json"
     target.parent.mkdir(parents=True, exist_ok=True)
