@@ -39,10 +39,12 @@ class StudyResult:
     segments: dict[str, int]
     timings: dict[str, float] = field(default_factory=dict)
 
-    def summary(self) -> str:
-        found = ", ".join(f"{name}: {voxels} voxels" for name, voxels in self.segments.items()) or "none"
-        total = sum(self.timings.values())
-        return f"{len(self.segments)} segment(s) found ({found}) in {total:.1f} s"
+
+
+def summary_line(segments: dict[str, int], seconds: float) -> str:
+    """The one-line result summary the app and the demo print."""
+    found = ", ".join(f"{name}: {voxels} voxels" for name, voxels in segments.items()) or "none"
+    return f"{len(segments)} segment(s) found ({found}) in {seconds:.1f} s"
 
 
 def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, int]:

@@ -6,7 +6,7 @@ import time
 
 from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
 
-from medserve.pipeline import segment_counts
+from medserve.pipeline import segment_counts, summary_line
 from operators.failures import reports_failures
 
 
@@ -33,6 +33,5 @@ class ResultSummaryOperator(Operator):
     def compute(self, op_input, op_output, context):
         counts = segment_counts(op_input.receive("label_map"), self.labels)
         paths = [p for p in (op_input.receive("seg_path"), op_input.receive("nifti_path")) if p is not None]
-        found = ", ".join(f"{name}: {voxels} voxels" for name, voxels in counts.items()) or "none"
         print(f"wrote {', '.join(str(p) for p in paths)}")
-        print(f"{len(counts)} segment(s) found ({found}) in {time.perf_counter() - self.started:.1f} s", flush=True)
+        print(summary_line(counts, time.perf_counter() - self.started), flush=True)
