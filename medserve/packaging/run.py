@@ -137,8 +137,9 @@ def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str,
     return [*argv, request.image, *request.extra_args]
 
 
-def run(request: RunRequest) -> int:
-    """Run the MAP in the foreground; returns the container's exit code."""
+def prepare(request: RunRequest) -> list[str]:
+    """Check the request, read the image's manifests and return the engine command line that runs it; the
+    model server runs that itself to capture the container's log."""
     tool = engine.pick(request.engine, "podman")
     if request.input is not None and not request.input.is_dir():
         raise PackagingError(f"input folder not found: {request.input}")
@@ -147,6 +148,11 @@ def run(request: RunRequest) -> int:
     if request.output is not None:
         request.output.mkdir(parents=True, exist_ok=True)
     app, pkg = read_manifests(request.image, tool)
-    argv = run_argv(request, tool, app, pkg)
+    return run_argv(request, tool, app, pkg)
+
+
+def run(request: RunRequest) -> int:
+    """Run the MAP in the foreground; returns the container's exit code."""
+    argv = prepare(request)
     logger.info("running: %s", " ".join(argv))
     return subprocess.run(argv).returncode

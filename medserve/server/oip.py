@@ -140,7 +140,8 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    _entry(request, name)
+    if _entry(request, name).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
+        raise OipError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
     body = await request.body()
     req, binary = _parse_request(request.headers, body)
     array = _tensor(req["inputs"][0], binary)

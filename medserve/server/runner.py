@@ -1,5 +1,6 @@
 """One inference on a staged input, shared by the sync endpoint and the job workers: pull (DICOMweb) ->
-admission -> hot predictor -> medserve.pipeline (the same path apps/bundle_seg runs) -> files in `out_dir`."""
+admission -> hot predictor -> medserve.pipeline (the same path apps/bundle_seg runs) -> files in `out_dir`.
+A MAP model takes the same path with one container run in place of the hot predictor."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, with_retries
 from medserve.server.inputs import InputSpec
+from medserve.server.maps import MapModel
 from medserve.server.store import ModelStore
 
 log = logging.getLogger("medserve.server.runner")
@@ -59,7 +61,9 @@ def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nif
         timings["model_s"] = time.monotonic() - start - queued
         stage("inferring", 0.4)
         run_start = time.monotonic()
-        if spec.kind == "nifti":
+        if isinstance(predictor, MapModel):
+            result = predictor.run(spec, out_dir)
+        elif spec.kind == "nifti":
             result = pipeline.run_nifti(spec.path, predictor, out_dir)
         else:
             result = pipeline.run_study(spec.path, predictor, out_dir, nifti=nifti)

@@ -1,6 +1,13 @@
-"""The model store: a watched folder of bundles, each callable by its folder name, with hot models kept loaded.
+"""The model store: a watched folder of bundles, each callable by its folder name, with hot models kept loaded,
+and of MAP descriptors, each callable by its file name.
 
 Rules (documented in the README):
+- MAP models: a file `NAME.map.json` at the top of the store, `{"image": "localhost/bundle-seg:0.1.0"}` with
+  optional `"engine"` (auto|podman|docker) and `"gpus"` ("all" or a count), serves model NAME by running that
+  image as a container per request (medserve.server.maps). Once the file settles the image's manifests are read
+  (`available`, or `failed` with the reason, e.g. a missing image; a request on a failed MAP checks again, since
+  the image can appear without the store changing). MAPs are never loaded, evicted or counted in the budget. A
+  bundle folder `NAME/` takes precedence over `NAME.map.json`.
 - Half-copy: a folder is considered only once the list of its files with their sizes and mtimes has stayed
   identical for `stable_seconds` (default 2 s). Folders whose name starts with `.` or ends with `.tmp`/`.partial`
   are ignored, so copy-then-rename (`cp -r b bundles/.b && mv bundles/.b bundles/b`) is also safe.
@@ -32,6 +39,8 @@ from typing import Any
 from medserve.errors import BundleError, MedserveError
 from medserve.server.config import ServerConfig
 from medserve.server.errors import ApiError
+from medserve.server.maps import SUFFIX as MAP_SUFFIX
+from medserve.server.maps import MapModel
 
 log = logging.getLogger("medserve.server.store")
 
@@ -49,7 +58,14 @@ def check_model_name(name: str) -> str:
 
 
 def fingerprint(folder: Path) -> Fingerprint:
-    """Every file under `folder` with its size and mtime; any change during a copy changes this value."""
+    """Every file under `folder` (or the file itself, for a descriptor) with its size and mtime; any change
+    during a copy changes this value."""
+    if folder.is_file():
+        try:
+            st = folder.stat()
+        except FileNotFoundError:
+            return ()
+        return ((folder.name, st.st_size, st.st_mtime_ns),)
     items: list[tuple[str, int, int]] = []
     for path in folder.rglob("*"):
         try:
@@ -108,12 +124,14 @@ class Gate:
 
 @dataclass
 class ModelEntry:
-    """One folder of the store and what we know about it."""
+    """One folder (bundle) or descriptor file (MAP) of the store and what we know about it."""
 
     name: str
     path: Path
     gate: Gate
-    state: str = "copying"  # copying -> available -> loading -> loaded; failed; unloaded after eviction
+    # bundles: copying -> available -> loading -> loaded; failed; unloaded after eviction.
+    # MAPs: copying -> checking -> available; failed.
+    state: str = "copying"
     error: str | None = None
     version: str | None = None
     description: str | None = None
@@ -127,11 +145,18 @@ class ModelEntry:
     load_seconds: float | None = None
     reloading: bool = False
     load_lock: threading.Lock = field(default_factory=threading.Lock)
+    map: MapModel | None = None  # set once a MAP descriptor has been parsed
+
+    @property
+    def is_map(self) -> bool:
+        return self.path.name.endswith(MAP_SUFFIX)
 
     def summary(self) -> dict[str, Any]:
         device = getattr(self.predictor, "device", None)
         return {
             "name": self.name,
+            "kind": "map" if self.is_map else "bundle",
+            "image": self.map.image if self.map is not None else None,
             "version": self.version,
             "description": self.description,
             "state": self.state,
@@ -193,16 +218,20 @@ class ModelStore:
 
     # ---- scanning --------------------------------------------------------------------------------------
     def _folders(self) -> dict[str, Path]:
+        """Model name -> bundle folder or MAP descriptor file."""
         found: dict[str, Path] = {}
+        descriptors: dict[str, Path] = {}
         if not self.root.is_dir():
             return found
         for child in self.root.iterdir():
             name = child.name
-            if name.startswith(".") or name.endswith((".tmp", ".partial")) or not child.is_dir():
+            if name.startswith(".") or name.endswith((".tmp", ".partial")):
                 continue
-            if NAME_RE.match(name):
+            if child.is_dir() and NAME_RE.match(name):
                 found[name] = child
-        return found
+            elif child.is_file() and name.endswith(MAP_SUFFIX) and NAME_RE.match(name.removesuffix(MAP_SUFFIX)):
+                descriptors[name.removesuffix(MAP_SUFFIX)] = child
+        return {**descriptors, **found}  # a bundle folder wins over a descriptor of the same name
 
     def scan(self) -> None:
         """One pass of the watcher: new, changed and removed folders."""
@@ -210,9 +239,9 @@ class ModelStore:
         folders = self._folders()
         with self._lock:
             for name in list(self._entries):
-                if name not in folders:
+                if folders.get(name) != self._entries[name].path:  # gone, or now a bundle instead of a MAP
                     entry = self._entries.pop(name)
-                    log.info("bundle %s removed from the store; unloading", name)
+                    log.info("model %s removed from the store; unloading", name)
                     entry.predictor = None
                     entry.state = "removed"
                     self._changed()
@@ -234,6 +263,16 @@ class ModelStore:
 
     def _settled(self, entry: ModelEntry, fp: Fingerprint) -> None:
         """Files stopped changing: (re)read metadata, and load eagerly when that is wanted and fits."""
+        if entry.is_map:
+            try:
+                entry.map = MapModel.from_file(entry.path)
+            except MedserveError as error:
+                log.warning("MAP descriptor %s is broken: %s", entry.path.name, error)
+                entry.map, entry.state, entry.error, entry.loaded_fp = None, "failed", str(error), fp
+                return
+            entry.state = "checking"
+            self._background.submit(self._check_map, entry)
+            return
         if not fp:
             entry.state, entry.error = "failed", f"{entry.name}: the bundle folder is empty"
             entry.loaded_fp = fp
@@ -271,6 +310,22 @@ class ModelStore:
             self.load(name, expected_fp=fp)
         except Exception as error:  # state already records the failure
             log.debug("background load of %s failed: %s", name, error)
+
+    def _check_map(self, entry: ModelEntry) -> None:
+        """Read the MAP's manifests from its image: `available`, or `failed` naming the image and the reason."""
+        assert entry.map is not None
+        checked_fp = entry.settled_fp
+        try:
+            entry.map.check()
+        except MedserveError as error:
+            message = f"MAP image {entry.map.image}: {error}"
+            log.warning("model %s: %s", entry.name, message)
+            with self._lock:
+                entry.state, entry.error, entry.loaded_fp = "failed", message, checked_fp
+            return
+        with self._lock:
+            entry.state, entry.error, entry.loaded_fp = "available", None, checked_fp
+        log.info("MAP model %s ready: %s", entry.name, entry.map.image)
 
     # ---- loading ---------------------------------------------------------------------------------------
     def load(self, name: str, expected_fp: Fingerprint | None = None) -> Any:
@@ -359,11 +414,13 @@ class ModelStore:
         return entry
 
     def predictor(self, name: str) -> Any:
-        """The hot predictor for `name`, loading it on demand (cold start)."""
+        """The hot predictor for `name`, loading it on demand (cold start); for a MAP, its MapModel."""
         entry = self.entry(name)
         if entry.state == "copying" and entry.predictor is None:
             raise ApiError(503, "model_settling", f"bundle {name!r} is still being copied; retry shortly",
                            {"Retry-After": str(max(1, int(self.config.stable_seconds)))})
+        if entry.is_map:
+            return self._map_model(entry)
         if entry.state == "failed" and entry.loaded_fp == entry.settled_fp:
             raise ApiError(409, "model_failed", f"model {name!r} failed to load: {entry.error}")
         predictor = entry.predictor
@@ -371,6 +428,14 @@ class ModelStore:
             predictor = self.load(name)
         entry.last_used = time.monotonic()
         return predictor
+
+    def _map_model(self, entry: ModelEntry) -> MapModel:
+        if entry.map is not None and entry.state != "available":
+            self._check_map(entry)  # the image may have been built or pulled since the last check
+        if entry.map is None or entry.state == "failed":
+            raise ApiError(409, "model_failed", f"model {entry.name!r} failed: {entry.error}")
+        entry.last_used = time.monotonic()
+        return entry.map
 
     @contextmanager
     def use(self, name: str, bounded: bool = True) -> Iterator[tuple[Any, float]]:

@@ -1,25 +1,35 @@
 """End to end: the MAP of apps/bundle_seg with the demo bundle, built with buildah from the local base image,
-run with podman on the demo study, must write the same DICOM SEG as `python apps/bundle_seg/app.py`."""
+run with podman on the demo study (directly, and served by name by the model server), must write the same
+DICOM SEG as `python apps/bundle_seg/app.py`."""
 
 from __future__ import annotations
 
+import io
 import json
 import resource
 import subprocess
 import sys
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import highdicom as hd
+import httpx
 import numpy as np
 import pydicom
 import pytest
+import uvicorn
 
-from conftest import REPO, SESSION, podman_run, remove_image
+from conftest import REPO, SESSION, free_port, podman_run, remove_image
 from medserve.cli import main as cli_main
 from medserve.packaging.config import read_app_config
 from medserve.packaging.context import app_requirements
 from medserve.packaging.manifest import find_app
 from medserve.packaging.run import inspect
+from medserve.server.app import create_app
+from medserve.server.config import ServerConfig
 
 TAG = f"localhost/medserve-test-bundle-seg:{SESSION}"
 APP = REPO / "apps" / "bundle_seg"
@@ -51,6 +61,22 @@ def demo_study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return study
 
 
+@pytest.fixture(scope="module")
+def direct_seg(demo_study: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The SEG `python apps/bundle_seg/app.py` writes for the demo study: what every MAP run must reproduce."""
+    out = tmp_path_factory.mktemp("direct")
+    direct = subprocess.run([sys.executable, str(APP / "app.py"), "-i", str(demo_study), "-o", str(out),
+                             "-m", str(BUNDLE)], cwd=REPO, capture_output=True, text=True, preexec_fn=_big_stack)
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    segs = sorted(out.rglob("*.dcm"))
+    assert len(segs) == 1
+    return segs[0]
+
+
+def _seg_volume(path: Path) -> hd.Volume:
+    return hd.seg.segread(path).get_volume(combine_segments=True)
+
+
 def test_map_layout(bundle_seg_map: str) -> None:
     info = inspect(bundle_seg_map, "podman")
     assert info["app.json"]["command"] == '["python3", "/opt/holoscan/app"]'  # __main__.py: a Python module
@@ -68,16 +94,12 @@ def test_map_layout(bundle_seg_map: str) -> None:
     assert versions.stdout.split()[1] == "None"  # CPU variant: no CUDA torch
 
 
-def test_map_seg_matches_direct_run(bundle_seg_map: str, demo_study: Path, tmp_path: Path) -> None:
-    direct = subprocess.run([sys.executable, str(APP / "app.py"), "-i", str(demo_study), "-o",
-                             str(tmp_path / "direct"), "-m", str(BUNDLE)], cwd=REPO, capture_output=True, text=True,
-                            preexec_fn=_big_stack)
-    assert direct.returncode == 0, direct.stderr[-2000:]
+def test_map_seg_matches_direct_run(bundle_seg_map: str, demo_study: Path, direct_seg: Path, tmp_path: Path) -> None:
     assert cli_main(["run", bundle_seg_map, "-i", str(demo_study), "-o", str(tmp_path / "map")]) == 0
 
-    direct_seg, map_seg = (sorted((tmp_path / name).rglob("*.dcm")) for name in ("direct", "map"))
-    assert len(direct_seg) == len(map_seg) == 1
-    ours, theirs = hd.seg.segread(map_seg[0]), hd.seg.segread(direct_seg[0])
+    map_seg = sorted((tmp_path / "map").rglob("*.dcm"))
+    assert len(map_seg) == 1
+    ours, theirs = hd.seg.segread(map_seg[0]), hd.seg.segread(direct_seg)
     assert ours.SOPClassUID == pydicom.uid.SegmentationStorage
     assert [s.SegmentLabel for s in ours.SegmentSequence] == [s.SegmentLabel for s in theirs.SegmentSequence]
     assert ours.ReferencedSeriesSequence[0].SeriesInstanceUID == theirs.ReferencedSeriesSequence[0].SeriesInstanceUID
@@ -87,3 +109,84 @@ def test_map_seg_matches_direct_run(bundle_seg_map: str, demo_study: Path, tmp_p
     assert np.array_equal(ours_volume.array, theirs_volume.array)
     assert np.allclose(ours_volume.affine, theirs_volume.affine)
     assert ours_volume.array.any(), "the demo study must produce a non-empty segmentation"
+
+
+@pytest.fixture
+def map_server(bundle_seg_map: str, tmp_path: Path) -> Iterator[str]:
+    """The model server in a thread on 127.0.0.1, over a store holding only MAP descriptors: the session's
+    bundle_seg image, and one naming an image that does not exist."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "seg.map.json").write_text(json.dumps({"image": bundle_seg_map, "engine": "podman"}))
+    (store / "ghost.map.json").write_text(json.dumps({"image": f"localhost/medserve-test-no-such-map:{SESSION}"}))
+    config = ServerConfig(store=store, data_dir=tmp_path / "data", port=free_port(), poll_interval=0.1,
+                          stable_seconds=0.2, device="cpu")
+    server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=config.port,
+                                           log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{config.port}"
+    deadline = time.monotonic() + 60
+    while True:  # ready once both descriptors are checked: the image's manifests read, or the failure recorded
+        try:
+            states = {m["name"]: m["state"] for m in httpx.get(url + "/v1/models", timeout=2).json()["models"]}
+            if states == {"seg": "available", "ghost": "failed"}:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not check both MAP descriptors within 60 s"
+        time.sleep(0.1)
+    yield url
+    server.should_exit = True
+    thread.join(timeout=20)
+
+
+def test_map_served_by_name(map_server: str, demo_study: Path, direct_seg: Path, tmp_path: Path) -> None:
+    models = {m["name"]: m for m in httpx.get(map_server + "/v1/models").json()["models"]}
+    assert models["seg"]["kind"] == "map" and models["seg"]["image"].endswith(f"bundle-seg:{SESSION}")
+    assert "medserve-test-no-such-map" in models["ghost"]["error"]
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path in sorted(demo_study.rglob("*.dcm")):
+            archive.write(path, path.relative_to(demo_study).as_posix())
+    study_zip = buffer.getvalue()
+
+    missing = httpx.post(map_server + "/v1/models/ghost/infer", content=study_zip,
+                         headers={"Content-Type": "application/zip"}, timeout=120)
+    assert missing.status_code == 409, missing.text
+    assert missing.json()["error"] == "model_failed"
+    assert f"medserve-test-no-such-map:{SESSION}" in missing.json()["message"]
+
+    # A study the app cannot segment (only a SEG, no image series): the container exits non-zero -> 500 with
+    # the tail of its log, and no result.
+    broken = httpx.post(map_server + "/v1/models/seg/infer", files={"file": ("seg.dcm", direct_seg.read_bytes())},
+                        timeout=300)
+    assert broken.status_code == 500, broken.text
+    assert broken.json()["error"] == "map_failed", broken.text
+    assert "exited with 2" in broken.json()["message"] and "matches the selection rules" in broken.json()["message"]
+
+    expected = _seg_volume(direct_seg)
+    served = httpx.post(map_server + "/v1/models/seg/infer", content=study_zip,
+                        headers={"Content-Type": "application/zip"}, timeout=300)
+    assert served.status_code == 200, served.text
+    assert served.headers["content-type"] == "application/dicom"
+    assert json.loads(served.headers["X-Medserve-Segments"]), "the segment counts come back as for a bundle"
+    (tmp_path / "served.dcm").write_bytes(served.content)
+    volume = _seg_volume(tmp_path / "served.dcm")
+    assert np.array_equal(volume.array, expected.array) and np.allclose(volume.affine, expected.affine)
+
+    job = httpx.post(map_server + "/v1/jobs?model=seg", content=study_zip,
+                     headers={"Content-Type": "application/zip"}, timeout=120)
+    assert job.status_code == 202, job.text
+    deadline = time.monotonic() + 120
+    while (state := httpx.get(map_server + job.headers["Location"]).json())["state"] not in (
+            "succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+    assert state["state"] == "succeeded", state
+    assert state["outputs"] == ["nifti", "seg"]
+    result = httpx.get(map_server + state["result_url"])
+    assert result.status_code == 200
+    (tmp_path / "job.dcm").write_bytes(result.content)
+    assert np.array_equal(_seg_volume(tmp_path / "job.dcm").array, expected.array)

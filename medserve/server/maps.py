@@ -1,0 +1,109 @@
+"""MAP models: a descriptor file in the store names a MONAI Application Package image; every request runs one
+container of it (medserve.packaging.run, as `medserve run` does) over the staged study, mounted read-only, and
+a fresh output folder, and answers with the `seg.dcm` / `labels.nii.gz` it wrote, like a bundle's result.
+
+Nothing stays loaded: the container starts, reads the packaged model, writes and exits, per request."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import highdicom as hd
+import numpy as np
+
+from medserve.errors import BundleError, PackagingError
+from medserve.packaging import engine
+from medserve.packaging.run import RunRequest, prepare, read_manifests
+from medserve.server.errors import ApiError
+from medserve.server.inputs import InputSpec
+
+if TYPE_CHECKING:  # medserve.pipeline imports torch; the store imports this module at server start
+    from medserve.pipeline import StudyResult
+
+log = logging.getLogger("medserve.server.maps")
+
+SUFFIX = ".map.json"
+LOG_TAIL_LINES = 15
+APP_EXIT_RE = re.compile(r"Application exited with (\d+)\.")
+
+
+@dataclass(frozen=True)
+class MapModel:
+    """What a descriptor says: the image, and optionally the engine (`auto`, `podman`, `docker`) and GPUs."""
+
+    name: str
+    image: str
+    engine: str = "auto"
+    gpus: str | None = None
+
+    @classmethod
+    def from_file(cls, path: Path) -> MapModel:
+        """Parse `NAME.map.json`; raises BundleError (the model then shows as `failed` with the reason)."""
+        name = path.name.removesuffix(SUFFIX)
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise BundleError(f"{path.name}: not valid JSON: {error}") from error
+        if not isinstance(data, dict) or not isinstance(data.get("image"), str) or not data["image"]:
+            raise BundleError(f'{path.name}: expected {{"image": "REPO:TAG"}} (optionally "engine", "gpus")')
+        unknown = sorted(set(data) - {"image", "engine", "gpus"})
+        if unknown:  # a typo such as "gpu" would otherwise be silently ignored
+            raise BundleError(f"{path.name}: unknown field(s) {', '.join(unknown)}; allowed: image, engine, gpus")
+        choice = data.get("engine", "auto")
+        if choice not in ("auto", "podman", "docker"):
+            raise BundleError(f"{path.name}: engine must be auto, podman or docker, not {choice!r}")
+        gpus = data.get("gpus")
+        return cls(name, data["image"], choice, None if gpus is None else str(gpus))
+
+    def check(self) -> None:
+        """The image is there (or pullable) and is a MAP: its manifests can be read. Raises PackagingError."""
+        read_manifests(self.image, engine.pick(self.engine, "podman"))
+
+    def run(self, spec: InputSpec, out_dir: Path) -> StudyResult:
+        """One container over `spec`'s study folder; a failure raises ApiError and leaves no result behind
+        that callers would mistake for one (they remove `out_dir` on any error)."""
+        from medserve.pipeline import NIFTI_NAME, SEG_NAME
+
+        if spec.kind != "dicom" or spec.path is None:
+            raise ApiError(415, "unsupported_input", f"MAP model {self.name!r} takes a DICOM study, not {spec.kind}")
+        request = RunRequest(self.image, spec.path, out_dir, gpus=self.gpus, engine=self.engine)
+        try:
+            argv = prepare(request)
+        except PackagingError as error:  # the image went away (or the engine did) after the store checked it
+            raise ApiError(503, "map_unavailable", f"MAP model {self.name!r} ({self.image}): {error}") from error
+        log.info("MAP %s: %s", self.name, " ".join(argv))
+        started = time.monotonic()
+        completed = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seconds = time.monotonic() - started
+        # The official entrypoint (tools.sh, packaged byte for byte) logs the app's exit code but itself exits 0.
+        logged = APP_EXIT_RE.search(completed.stdout)
+        code = completed.returncode or (int(logged.group(1)) if logged else 0)
+        seg_path = out_dir / SEG_NAME
+        if code != 0 or not seg_path.is_file():
+            tail = " | ".join(completed.stdout.strip().splitlines()[-LOG_TAIL_LINES:])
+            what = f"exited with {code}" if code else f"exited 0 but wrote no {SEG_NAME}"
+            raise ApiError(500, "map_failed", f"MAP {self.image} {what} after {seconds:.1f} s: {tail}")
+        nifti_path = out_dir / NIFTI_NAME
+        return result_of(seg_path, nifti_path if nifti_path.is_file() else None, {"container_s": seconds})
+
+
+def result_of(seg_path: Path, nifti_path: Path | None, timings: dict[str, float]) -> StudyResult:
+    """A StudyResult read back from the SEG the container wrote, so MAP answers carry the same headers and
+    job fields (study, source series, voxels per segment) as a bundle run in-process."""
+    from medserve.pipeline import StudyResult
+
+    seg = hd.seg.segread(seg_path)
+    labels = {int(item.SegmentNumber): str(item.SegmentLabel) for item in seg.SegmentSequence}
+    values, counts = np.unique(seg.get_volume(combine_segments=True).array, return_counts=True)
+    segments = {labels[int(v)]: int(c) for v, c in zip(values, counts) if v != 0}
+    source_series = seg.ReferencedSeriesSequence[0].SeriesInstanceUID if "ReferencedSeriesSequence" in seg else None
+    return StudyResult(seg_path=seg_path, nifti_path=nifti_path, study_uid=str(seg.StudyInstanceUID),
+                       series_uid=str(source_series) if source_series else None,
+                       segments=segments, timings=timings)
