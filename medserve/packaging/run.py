@@ -7,8 +7,10 @@ import json
 import logging
 import os
 import posixpath
+import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,8 +153,27 @@ def prepare(request: RunRequest) -> list[str]:
     return run_argv(request, tool, app, pkg)
 
 
+APP_EXIT_RE = re.compile(r"Application exited with (\d+)\.")
+
+
+def app_exit_code(container_code: int, log: str) -> int:
+    """The app's exit status: the official entrypoint (tools.sh, packaged unchanged) logs "Application exited
+    with N." but itself exits 0, so a zero container status is overridden by the last such line."""
+    if container_code:
+        return container_code
+    logged = APP_EXIT_RE.findall(log)
+    return int(logged[-1]) if logged else 0
+
+
 def run(request: RunRequest) -> int:
-    """Run the MAP in the foreground; returns the container's exit code."""
+    """Run the MAP in the foreground, echoing its log; returns the app's exit status."""
     argv = prepare(request)
     logger.info("running: %s", " ".join(argv))
-    return subprocess.run(argv).returncode
+    last_exit_line = ""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        assert process.stdout is not None
+        for line in process.stdout:
+            sys.stdout.write(line)
+            if APP_EXIT_RE.search(line):
+                last_exit_line = line
+    return app_exit_code(process.returncode, last_exit_line)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ import numpy as np
 
 from medserve.errors import BundleError, PackagingError
 from medserve.packaging import engine
-from medserve.packaging.run import RunRequest, prepare, read_manifests
+from medserve.packaging.run import RunRequest, app_exit_code, prepare, read_manifests
 from medserve.server.errors import ApiError
 from medserve.server.inputs import InputSpec
 
@@ -31,7 +30,6 @@ log = logging.getLogger("medserve.server.maps")
 
 SUFFIX = ".map.json"
 LOG_TAIL_LINES = 15
-APP_EXIT_RE = re.compile(r"Application exited with (\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -82,9 +80,7 @@ class MapModel:
         started = time.monotonic()
         completed = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seconds = time.monotonic() - started
-        # The official entrypoint (tools.sh, packaged byte for byte) logs the app's exit code but itself exits 0.
-        logged = APP_EXIT_RE.search(completed.stdout)
-        code = completed.returncode or (int(logged.group(1)) if logged else 0)
+        code = app_exit_code(completed.returncode, completed.stdout)
         seg_path = out_dir / SEG_NAME
         if code != 0 or not seg_path.is_file():
             tail = " | ".join(completed.stdout.strip().splitlines()[-LOG_TAIL_LINES:])

@@ -111,6 +111,15 @@ def test_map_seg_matches_direct_run(bundle_seg_map: str, demo_study: Path, direc
     assert ours_volume.array.any(), "the demo study must produce a non-empty segmentation"
 
 
+def test_map_run_reports_the_apps_failure(bundle_seg_map: str, tmp_path: Path) -> None:
+    """The entrypoint exits 0 whatever the app does: `medserve run` must still fail when the app fails."""
+    study = tmp_path / "not_a_study"
+    study.mkdir()
+    (study / "readme.txt").write_text("no DICOM here")
+    assert cli_main(["run", bundle_seg_map, "-i", str(study), "-o", str(tmp_path / "out")]) != 0
+    assert not (tmp_path / "out" / "seg.dcm").exists()
+
+
 @pytest.fixture
 def map_server(bundle_seg_map: str, tmp_path: Path) -> Iterator[str]:
     """The model server in a thread on 127.0.0.1, over a store holding only MAP descriptors: the session's
