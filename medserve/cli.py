@@ -10,6 +10,7 @@ import argparse
 import importlib
 import logging
 import sys
+import warnings
 
 from medserve.errors import MedserveError
 
@@ -17,6 +18,11 @@ COMMAND_GROUPS: list[str] = [
     "medserve.server.commands",
     "medserve.packaging.commands",
 ]
+
+
+# `import monai` imports Holoscan (through monai.deploy), which warns about the stack size at import. The CLI's
+# commands never run a Holoscan graph in this process (apps and MAPs run in their own), so the warning is noise.
+warnings.filterwarnings("ignore", message="Current stack size", category=RuntimeWarning)
 
 
 def build_parser() -> argparse.ArgumentParser:
