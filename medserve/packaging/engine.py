@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 
+from medserve import net
 from medserve.errors import PackagingError
 
 logger = logging.getLogger("medserve.packaging.engine")
@@ -99,9 +99,4 @@ def is_loopback(host: str | None) -> bool:
     if host is None:
         return False
     name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", 1)[0]
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
+    return net.is_loopback(name)

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from medserve.server.config import ServerConfig, is_loopback
+from medserve.net import is_loopback
+from medserve.server.config import ServerConfig
 
 log = logging.getLogger("medserve.server.commands")
 

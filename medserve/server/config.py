@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,13 +57,3 @@ class ServerConfig:
     @property
     def db_path(self) -> Path:
         return self.data_dir / "jobs.sqlite"
-
-
-def is_loopback(host: str) -> bool:
-    """True for addresses only this machine can reach (`localhost`, 127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
