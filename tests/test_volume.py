@@ -207,6 +207,15 @@ def test_mixed_sizes_are_refused(tmp_path, phantom):
         volume_of(tmp_path)
 
 
+def test_mixed_pixel_spacings_are_refused(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    dataset = pydicom.dcmread(written.paths[6])
+    dataset.PixelSpacing = [1.0, 1.0]
+    dataset.save_as(written.paths[6])
+    with pytest.raises(VolumeError, match="mixed pixel spacings"):
+        volume_of(tmp_path)
+
+
 def test_truncated_file_is_refused_naming_it(tmp_path, phantom):
     written = _write(tmp_path, phantom)
     victim = written.paths[5]

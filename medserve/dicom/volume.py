@@ -31,6 +31,7 @@ log = logging.getLogger("medserve.dicom.volume")
 
 _NATIVE_LITTLE_ENDIAN = {ImplicitVRLittleEndian, ExplicitVRLittleEndian, "1.2.840.10008.1.2.1.99"}
 _ORIENTATION_TOLERANCE = 1e-4
+_SPACING_TOLERANCE_MM = 1e-3
 # With highdicom's (slice, row, column) index convention, a left-handed frame puts slices along +normal.
 _ALONG_NORMAL = "LEFT_HANDED"
 
@@ -104,7 +105,7 @@ def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Ins
 def _check_geometry_attributes(instances: list[Instance]) -> None:
     first = instances[0].dataset
     shape = (first.get("Rows"), first.get("Columns"))
-    orientations = []
+    orientations, spacings = [], []
     for instance in instances:
         dataset = instance.dataset
         for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing", "Rows", "Columns"):
@@ -118,12 +119,16 @@ def _check_geometry_attributes(instances: list[Instance]) -> None:
             raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
                               f"{shape[0]}x{shape[1]} of {instances[0].path}: mixed sizes in one series")
         orientations.append(dataset.ImageOrientationPatient)
-    deviation = np.abs(np.asarray(orientations, dtype=np.float64) - np.asarray(orientations[0], dtype=np.float64))
-    odd = np.flatnonzero(deviation.max(axis=1) > _ORIENTATION_TOLERANCE)
-    if odd.size:
-        instance = instances[int(odd[0])]
-        raise VolumeError(f"{instance.path}: ImageOrientationPatient {list(orientations[odd[0]])} differs from "
-                          f"{list(orientations[0])} of {instances[0].path}: mixed orientations in one series")
+        spacings.append(dataset.PixelSpacing)
+    for keyword, values, tolerance, what in (("PixelSpacing", spacings, _SPACING_TOLERANCE_MM, "pixel spacings"),
+                                             ("ImageOrientationPatient", orientations, _ORIENTATION_TOLERANCE,
+                                              "orientations")):
+        deviation = np.abs(np.asarray(values, dtype=np.float64) - np.asarray(values[0], dtype=np.float64))
+        odd = np.flatnonzero(deviation.max(axis=1) > tolerance)
+        if odd.size:
+            k = int(odd[0])
+            raise VolumeError(f"{instances[k].path}: {keyword} {list(values[k])} differs from {list(values[0])} "
+                              f"of {instances[0].path}: mixed {what} in one series")
 
 
 def _slice_order(instances: list[Instance], tolerance: SpacingTolerance) -> tuple[list[int], float]:
