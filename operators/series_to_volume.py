@@ -8,8 +8,7 @@ from monai.deploy.core import ConditionType, Operator, OperatorSpec
 from monai.deploy.core.domain.image import Image
 
 from medserve.dicom.index import Series
-from medserve.dicom.volume import load_series
-from medserve.writers.nifti import nifti_affine
+from medserve.dicom.volume import load_series, ras_affine
 from operators.failures import reports_failures
 
 
@@ -61,8 +60,8 @@ def sdk_image(volume: hd.Volume, series: Series, selection_name: str) -> Image:
         "col_direction_cosine": list(column_vector / np.linalg.norm(column_vector)),
         "depth_direction_cosine": list(slice_vector / np.linalg.norm(slice_vector)),
         "dicom_affine_transform": volume.affine[:, [2, 1, 0, 3]],
-        "nifti_affine_transform": nifti_affine(volume),
-        "affine": nifti_affine(volume),
+        "nifti_affine_transform": ras_affine(volume),
+        "affine": ras_affine(volume),
         "space": "RAS",
         "selection_name": selection_name,
     }

@@ -126,11 +126,6 @@ def real_ct_study(tmp_path_factory, real_ct) -> tuple[Path, WrittenSeries, Serie
     return folder, written, geometry
 
 
-def dice(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a > 0, b > 0
-    return float(2.0 * np.logical_and(a, b).sum() / max(a.sum() + b.sum(), 1))
-
-
 def dciodvfy_errors(path: Path) -> list[str]:
     """The lines dciodvfy reports as errors (it exits 0 either way)."""
     tool = shutil.which("dciodvfy")

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from medserve.bundle import BundlePredictor
+from medserve.demo.phantom import dice
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import series_to_volume
+from medserve.dicom.volume import ras_affine, series_to_volume
 from medserve.pipeline import run_study
-from medserve.writers.nifti import nifti_affine
-from tests.conftest import DEMO_BUNDLE, dciodvfy_errors, dice, run_app
+from tests.conftest import DEMO_BUNDLE, dciodvfy_errors, run_app
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_app_writes_a_valid_seg_and_nifti_that_match_the_truth(demo_run, demo_st
 
     source = series_to_volume(select_series(index_folder(demo_study[0]))[0].series)
     nifti = nib.load(out / "labels.nii.gz")
-    np.testing.assert_allclose(nifti.affine, nifti_affine(source), atol=1e-4)
+    np.testing.assert_allclose(nifti.affine, ras_affine(source), atol=1e-4)
     labels = np.asarray(nifti.dataobj).transpose(2, 1, 0)
     assert dice(labels, phantom.organ) >= 0.9
 

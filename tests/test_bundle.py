@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from medserve.bundle import BundlePredictor
-from medserve.demo.phantom import make_phantom
+from medserve.demo.phantom import dice, make_phantom
 from medserve.demo.study import SeriesGeometry
 from medserve.errors import BundleError
-from tests.conftest import THRESHOLD_HU, dice, make_threshold_bundle
+from tests.conftest import THRESHOLD_HU, make_threshold_bundle
 from tests.test_volume import ORIENTATIONS
 
 

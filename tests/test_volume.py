@@ -16,7 +16,7 @@ from medserve.demo.phantom import make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import series_to_volume
+from medserve.dicom.volume import ras_affine, series_to_volume
 from medserve.errors import DicomInputError, VolumeError
 
 
@@ -73,13 +73,11 @@ def test_slices_are_ordered_along_the_normal_whatever_the_file_and_instance_orde
 
 
 def test_world_coordinates_are_lps_and_match_nifti_ras(tmp_path, phantom):
-    from medserve.writers.nifti import nifti_affine
-
     write_ct_series(phantom.hu, tmp_path, SeriesGeometry(origin=(10.0, 20.0, 30.0)))
     volume = volume_of(tmp_path)
     k, j, i = 3, 5, 7
     lps = volume.affine @ [k, j, i, 1]
-    ras = nifti_affine(volume) @ [i, j, k, 1]
+    ras = ras_affine(volume) @ [i, j, k, 1]
     np.testing.assert_allclose(ras[:3], lps[:3] * [-1, -1, 1])
     np.testing.assert_allclose(lps[:3], np.array([10.0, 20.0, 30.0]) + [i * 3.0, j * 3.0, k * 3.0])
 

@@ -22,13 +22,13 @@ from monai.bundle import ConfigParser
 from monai.data import MetaTensor
 
 from medserve.bundle.layout import BundleLayout
+from medserve.dicom.volume import ras_affine
 from medserve.errors import BundleError
 
 log = logging.getLogger("medserve.bundle")
 
 _FILE_IO_TRANSFORMS = ("LoadImage", "SaveImage")
 _CHANNEL_FIRST_TRANSFORMS = ("EnsureChannelFirst", "AddChannel")
-_LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 MAX_LABEL = 65535
 # Arguments that published zoo bundles pass and later MONAI releases removed; they never affect the weights.
 _REMOVED_NETWORK_ARGUMENTS = {"SwinUNETR": ("img_size",)}
@@ -119,7 +119,7 @@ class BundlePredictor:
     def _as_loaded_image(self, volume: hd.Volume) -> MetaTensor:
         """The volume as LoadImaged gives it: (X, Y, Z) = (column, row, slice) with a RAS affine."""
         array = np.asarray(volume.array, dtype=np.float32).transpose(2, 1, 0)
-        affine = _LPS_TO_RAS @ volume.affine[:, [2, 1, 0, 3]]
+        affine = ras_affine(volume)
         meta = {
             "original_affine": affine,
             "spatial_shape": np.asarray(array.shape),

@@ -14,6 +14,7 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
+from medserve.demo.phantom import dice
 from medserve.demo.study import write_demo_study
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,9 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     if completed.returncode != 0:
         return completed.returncode
     labels = np.asarray(nib.load(args.out / "labels.nii.gz").dataobj).transpose(2, 1, 0)
-    overlap = np.logical_and(labels > 0, phantom.organ > 0).sum()
-    dice = 2.0 * overlap / max((labels > 0).sum() + phantom.organ.sum(), 1)
-    print(f"Dice against the phantom's truth: {dice:.3f}")
+    print(f"Dice against the phantom's truth: {dice(labels, phantom.organ):.3f}")
     return 0
 
 

@@ -23,6 +23,12 @@ class Phantom:
     spacing: tuple[float, float, float]
 
 
+def dice(prediction: np.ndarray, truth: np.ndarray) -> float:
+    """Dice overlap of the non-zero voxels of two label maps."""
+    prediction, truth = prediction > 0, truth > 0
+    return float(2.0 * np.logical_and(prediction, truth).sum() / max(prediction.sum() + truth.sum(), 1))
+
+
 def make_phantom(shape: tuple[int, int, int] = (48, 96, 96), spacing: tuple[float, float, float] = (3.0, 3.0, 3.0),
                  seed: int = 0, noise_hu: float = 15.0, bone: bool = True) -> Phantom:
     """A random phantom: body and organ sizes, positions and noise are drawn from `seed`.

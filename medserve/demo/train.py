@@ -18,7 +18,7 @@ from monai.losses import DiceCELoss
 from rich.progress import Progress
 
 from medserve.bundle.predictor import BundlePredictor
-from medserve.demo.phantom import Phantom, make_phantom
+from medserve.demo.phantom import Phantom, dice, make_phantom
 from medserve.demo.study import SeriesGeometry
 
 DEMO_BUNDLE = Path(__file__).resolve().parents[2] / "bundles" / "demo_organ_seg"
@@ -39,11 +39,6 @@ def training_pair(predictor: BundlePredictor, phantom: Phantom) -> tuple[torch.T
     image = predictor.preprocess(volume).as_tensor()
     truth = predictor.preprocess(volume.with_array(phantom.organ.astype(np.float32) * 500.0 - 200.0))
     return image, (truth.as_tensor() > 0.5).float()
-
-
-def dice(prediction: np.ndarray, truth: np.ndarray) -> float:
-    overlap = np.logical_and(prediction > 0, truth > 0).sum()
-    return float(2.0 * overlap / max((prediction > 0).sum() + (truth > 0).sum(), 1))
 
 
 def evaluate(predictor: BundlePredictor, seeds=EVAL_SEEDS) -> float:

@@ -31,6 +31,7 @@ log = logging.getLogger("medserve.dicom.volume")
 
 _NATIVE_LITTLE_ENDIAN = {ImplicitVRLittleEndian, ExplicitVRLittleEndian, "1.2.840.10008.1.2.1.99"}
 _ORIENTATION_TOLERANCE = 1e-4
+_LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
 # With highdicom's (slice, row, column) index convention, a left-handed frame puts slices along +normal.
 _ALONG_NORMAL = "LEFT_HANDED"
@@ -71,6 +72,11 @@ def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()
 
 def series_to_volume(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> hd.Volume:
     return load_series(series, tolerance).volume
+
+
+def ras_affine(volume: hd.Volume) -> np.ndarray:
+    """RAS affine of (column, row, slice) indices: what NIfTI and MONAI's LoadImaged use for the same voxels."""
+    return _LPS_TO_RAS @ volume.affine[:, [2, 1, 0, 3]]
 
 
 def slice_affine(first: pydicom.Dataset, spacing: float) -> np.ndarray:

@@ -8,18 +8,12 @@ import highdicom as hd
 import nibabel as nib
 import numpy as np
 
-_LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
-
-
-def nifti_affine(volume: hd.Volume) -> np.ndarray:
-    """RAS affine of (column, row, slice) = NIfTI (i, j, k) indices."""
-    return _LPS_TO_RAS @ volume.affine[:, [2, 1, 0, 3]]
-
+from medserve.dicom.volume import ras_affine
 
 def write_nifti(label_map: np.ndarray, volume: hd.Volume, path: Path) -> Path:
     """Write `label_map` (same shape as `volume.array`) to `path` (.nii or .nii.gz) atomically."""
     image = nib.Nifti1Image(np.ascontiguousarray(label_map.transpose(2, 1, 0)).astype(np.uint16),
-                            nifti_affine(volume))
+                            ras_affine(volume))
     image.header.set_xyzt_units("mm")
     image.set_qform(image.affine, code=1)
     image.set_sform(image.affine, code=1)
