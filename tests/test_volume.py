@@ -10,6 +10,7 @@ import numpy as np
 import pydicom
 import pytest
 from pydicom.data import get_testdata_file
+from pydicom.encaps import encapsulate, generate_frames
 from pydicom.uid import JPEG2000Lossless, RLELossless
 
 from medserve.demo.phantom import make_phantom
@@ -243,3 +244,15 @@ def test_stored_bits_below_allocated_are_sign_extended(tmp_path, phantom):
         dataset.save_as(path)
     expected = np.clip(np.rint(phantom.hu + 1024), 0, 65535) - 2048
     np.testing.assert_allclose(volume_of(tmp_path).array, expected, atol=0.5)
+
+
+def test_damaged_rle_frame_is_refused_naming_the_file(tmp_path, phantom):
+    write_ct_series(phantom.hu, tmp_path, transfer_syntax=RLELossless)
+    damaged = sorted(tmp_path.iterdir())[3]
+    dataset = pydicom.dcmread(damaged)
+    frame = bytearray(next(generate_frames(dataset.PixelData, number_of_frames=1)))
+    frame[0:4] = (1).to_bytes(4, "little")  # one segment declared: 16-bit pixels need two
+    dataset.PixelData = encapsulate([bytes(frame)])
+    dataset.save_as(damaged)
+    with pytest.raises(VolumeError, match=f"{damaged.name}: cannot decode pixel data"):
+        volume_of(tmp_path)

@@ -6,8 +6,9 @@ from highdicom (`get_volume_positions`); we only check the series first, so that
 broken series is refused with the reason rather than turned into a silently wrong volume.
 
 Uncompressed little-endian pixel data is read straight from the file into the preallocated volume (no
-per-file dataset copy) and so is RLE Lossless, decoded by pylibjpeg-rle; other compressed transfer syntaxes are
-decoded by pydicom's plugins. Several slices are read at once.
+per-file dataset copy) and so is RLE Lossless, decoded by imagecodecs (its decoder releases the GIL, so the
+threads decode in parallel; pylibjpeg-rle's holds it); other compressed transfer syntaxes are decoded by pydicom's
+plugins. Several slices are read at once.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import highdicom as hd
+import imagecodecs
 import numpy as np
 import pydicom
 from pydicom.encaps import generate_frames
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
-from rle.utils import decode_frame as decode_rle_frame
 
 from medserve.dicom.index import Instance, Series
 from medserve.errors import VolumeError
@@ -223,13 +224,13 @@ def _read_native_slice(instance: Instance, out: np.ndarray) -> None:
 
 
 def _decode_rle_slice(instance: Instance, out: np.ndarray) -> None:
-    """RLE Lossless straight from the file's encapsulated fragments with pylibjpeg-rle's frame decoder."""
+    """RLE Lossless straight from the file's encapsulated fragments with imagecodecs' DICOM RLE decoder."""
     dtype = _pixel_dtype(instance)
     _, value = _pixel_value(instance)
     try:
         frame = next(generate_frames(value, number_of_frames=1))
-        pixels = np.frombuffer(decode_rle_frame(frame, out.size, dtype.itemsize * 8, "<"), dtype=dtype)
-    except Exception as error:  # the decoder raises ValueError/StopIteration on damaged streams
+        pixels = np.frombuffer(imagecodecs.dicomrle_decode(frame, dtype.str), dtype=dtype)
+    except Exception as error:  # damaged streams: StopIteration, ValueError, DicomrleError
         raise VolumeError(f"{instance.path}: cannot decode pixel data ({_transfer_syntax_name(instance)}): "
                           f"{error}") from error
     if pixels.size != out.size:
