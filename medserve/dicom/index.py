@@ -6,20 +6,25 @@ that `medserve.dicom.volume` can read the pixels of the one series that is used,
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import pydicom
 from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
 
+from medserve.dicom.values import uid_value
 from medserve.errors import DicomInputError
 
 log = logging.getLogger("medserve.dicom.index")
 
 MEDIA_STORAGE_DIRECTORY_STORAGE = "1.2.840.10008.1.3.10"
+# Enough for the header of a typical CT/MR slice (a few kB) with room for private tags.
+_HEADER_CHUNK_BYTES = 32768
 
 
 @dataclass(frozen=True)
@@ -96,12 +101,31 @@ class StudyIndex:
 
 
 def read_header(path: Path) -> Instance:
-    """Read one file's header, stopping before the pixel data; raise InvalidDicomError if it is not DICOM."""
+    """Read one file's header, stopping before the pixel data; raise InvalidDicomError if it is not DICOM.
+
+    The first `_HEADER_CHUNK_BYTES` are read in one call and parsed in memory, which is about twice as fast as
+    pydicom's many small reads on the file; a header that does not end within them is parsed from the file.
+    """
     with path.open("rb") as stream:
-        dataset = pydicom.dcmread(stream, stop_before_pixels=True)
-        # pydicom leaves the stream at the tag of the element it stopped before.
-        position = stream.tell()
-        at_pixel_data = stream.read(4) == b"\xe0\x7f\x10\x00"
+        head = stream.read(_HEADER_CHUNK_BYTES)
+        if len(head) < _HEADER_CHUNK_BYTES:
+            return _parse_header(path, io.BytesIO(head))
+        try:
+            instance = _parse_header(path, io.BytesIO(head))
+        except Exception:  # the chunk ended inside an element; the whole file decides
+            instance = None
+        if instance is not None and instance.pixel_data_offset is not None:
+            return instance
+        stream.seek(0)
+        return _parse_header(path, stream)
+
+
+def _parse_header(path: Path, stream: BinaryIO) -> Instance:
+    dataset = pydicom.dcmread(stream, stop_before_pixels=True)
+    dataset.filename = str(path)
+    # pydicom leaves the stream at the tag of the element it stopped before.
+    position = stream.tell()
+    at_pixel_data = stream.read(4) == b"\xe0\x7f\x10\x00"
     return Instance(path=path, dataset=dataset, pixel_data_offset=position if at_pixel_data else None)
 
 
@@ -128,8 +152,8 @@ def index_folder(folder: Path | str) -> StudyIndex:
         if instance is None:
             continue
         dataset = instance.dataset
-        study_uid = str(dataset.get("StudyInstanceUID", ""))
-        series_uid = str(dataset.get("SeriesInstanceUID", ""))
+        study_uid = uid_value(dataset, "StudyInstanceUID")
+        series_uid = uid_value(dataset, "SeriesInstanceUID")
         if not study_uid or not series_uid:
             if _has_dicom_preamble(path):
                 # pydicom returns what it could read of a cut file; an object without its UIDs is damaged.
@@ -162,7 +186,7 @@ def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | Non
         _skip(skipped, path, "not a DICOM file")
         return None
     meta = getattr(instance.dataset, "file_meta", None)
-    if meta is not None and meta.get("MediaStorageSOPClassUID") == MEDIA_STORAGE_DIRECTORY_STORAGE:
+    if meta is not None and uid_value(meta, "MediaStorageSOPClassUID") == MEDIA_STORAGE_DIRECTORY_STORAGE:
         _skip(skipped, path, "DICOMDIR (the folder is scanned directly instead)")
         return None
     return instance

@@ -14,6 +14,7 @@ plugins. Several slices are read at once.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pydicom.encaps import generate_frames
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
 
 from medserve.dicom.index import Instance, Series
+from medserve.dicom.values import decimal_values, stored_bytes, uid_value
 from medserve.errors import VolumeError
 
 log = logging.getLogger("medserve.dicom.volume")
@@ -64,7 +66,7 @@ def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()
         return LoadedSeries(series, _multiframe_volume(series.instances[0]), list(series.instances))
     ordered, spacing = _volume_order(series, tolerance)
     first = ordered[0].dataset
-    array = np.empty((len(ordered), int(first.Rows), int(first.Columns)), dtype=np.float32)
+    array = _volume_array((len(ordered), int(first.Rows), int(first.Columns)))
     _read_pixels_into(ordered, array)
     volume = hd.Volume(array=array, affine=slice_affine(first, spacing), coordinate_system="PATIENT",
                        frame_of_reference_uid=first.get("FrameOfReferenceUID"))
@@ -104,19 +106,22 @@ def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Ins
     """Instances in volume order and the slice spacing, after checking the series' geometry."""
     if series.is_multiframe:
         return list(series.instances), 0.0
-    _check_geometry_attributes(series.instances)
-    order, spacing = _slice_order(series.instances, tolerance)
+    positions, orientation = _check_geometry_attributes(series.instances)
+    order, spacing = _slice_order(series.instances, positions, orientation, tolerance)
     return [series.instances[i] for i in order], spacing
 
 
-def _check_geometry_attributes(instances: list[Instance]) -> None:
-    first = instances[0].dataset
-    shape = (first.get("Rows"), first.get("Columns"))
-    orientations, spacings = [], []
-    for instance in instances:
+def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, np.ndarray]:
+    """Refuse a series whose slices lack geometry or differ in size, pixel spacing or orientation; return the
+    slices' ImagePositionPatient (n x 3) and the series' ImageOrientationPatient."""
+    first = instances[0]
+    shape = (first.dataset.get("Rows"), first.dataset.get("Columns"))
+    positions = np.empty((len(instances), 3))
+    reference: dict[str, tuple[bytes | None, np.ndarray]] = {}
+    for k, instance in enumerate(instances):
         dataset = instance.dataset
-        for keyword in ("ImagePositionPatient", "ImageOrientationPatient", "PixelSpacing", "Rows", "Columns"):
-            if dataset.get(keyword) in (None, ""):
+        for keyword in ("Rows", "Columns"):
+            if dataset.get(keyword) is None:
                 raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every "
                                   f"slice")
         if int(dataset.get("SamplesPerPixel", 1)) != 1:
@@ -124,40 +129,57 @@ def _check_geometry_attributes(instances: list[Instance]) -> None:
                               f"(greyscale CT/MR)")
         if (dataset.Rows, dataset.Columns) != shape:
             raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
-                              f"{shape[0]}x{shape[1]} of {instances[0].path}: mixed sizes in one series")
-        orientations.append(dataset.ImageOrientationPatient)
-        spacings.append(dataset.PixelSpacing)
-    for keyword, values, tolerance, what in (("PixelSpacing", spacings, _SPACING_TOLERANCE_MM, "pixel spacings"),
-                                             ("ImageOrientationPatient", orientations, _ORIENTATION_TOLERANCE,
-                                              "orientations")):
-        deviation = np.abs(np.asarray(values, dtype=np.float64) - np.asarray(values[0], dtype=np.float64))
-        odd = np.flatnonzero(deviation.max(axis=1) > tolerance)
-        if odd.size:
-            k = int(odd[0])
-            raise VolumeError(f"{instances[k].path}: {keyword} {list(values[k])} differs from {list(values[0])} "
-                              f"of {instances[0].path}: mixed {what} in one series")
+                              f"{shape[0]}x{shape[1]} of {first.path}: mixed sizes in one series")
+        positions[k] = _geometry_values(instance, "ImagePositionPatient", 3)
+        for keyword, count, limit, what in (("ImageOrientationPatient", 6, _ORIENTATION_TOLERANCE, "orientations"),
+                                            ("PixelSpacing", 2, _SPACING_TOLERANCE_MM, "pixel spacings")):
+            stored = stored_bytes(dataset, keyword)
+            if keyword not in reference:
+                reference[keyword] = (stored, np.asarray(_geometry_values(instance, keyword, count)))
+                continue
+            first_stored, first_values = reference[keyword]
+            if stored is not None and stored == first_stored:
+                continue  # the same text as the first slice's: the same values
+            values = np.asarray(_geometry_values(instance, keyword, count))
+            if np.abs(values - first_values).max() > limit:
+                raise VolumeError(f"{instance.path}: {keyword} {values.tolist()} differs from "
+                                  f"{first_values.tolist()} of {first.path}: mixed {what} in one series")
+    return positions, reference["ImageOrientationPatient"][1]
 
 
-def _slice_order(instances: list[Instance], tolerance: SpacingTolerance) -> tuple[list[int], float]:
+def _geometry_values(instance: Instance, keyword: str, count: int) -> tuple[float, ...]:
+    try:
+        values = decimal_values(instance.dataset, keyword)
+    except ValueError as error:
+        raise VolumeError(f"{instance.path}: {error}") from None
+    if values is None:
+        raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every slice")
+    if len(values) != count:
+        raise VolumeError(f"{instance.path}: {keyword} has {len(values)} values; expected {count}")
+    return values
+
+
+def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: np.ndarray,
+                 tolerance: SpacingTolerance) -> tuple[list[int], float]:
     """Indices of `instances` in volume order and the slice spacing, or VolumeError with the reason."""
     if len(instances) == 1:
         thickness = instances[0].dataset.get("SpacingBetweenSlices") or instances[0].dataset.get("SliceThickness")
         return [0], float(thickness or 1.0)
-    orientation = [float(v) for v in instances[0].dataset.ImageOrientationPatient]
-    positions = [[float(v) for v in instance.dataset.ImagePositionPatient] for instance in instances]
     normal = np.cross(orientation[:3], orientation[3:])
-    distances = np.asarray(positions) @ normal
+    distances = positions @ normal
     sorted_distances = np.sort(distances)
     gaps = np.diff(sorted_distances)
     if np.any(gaps < 1e-3):
         duplicate = float(sorted_distances[int(np.argmin(gaps))])
         paths = [str(instances[i].path) for i in np.flatnonzero(np.abs(distances - duplicate) < 1e-3)]
         raise VolumeError(f"duplicated slice at {duplicate:.3f} mm along the slice normal: {', '.join(paths)}")
-    spacing, indices = hd.spatial.get_volume_positions(positions, orientation, rtol=tolerance.rtol, sort=True,
-                                                       handedness=_ALONG_NORMAL)
+    position_list, orientation_list = positions.tolist(), orientation.tolist()
+    spacing, indices = hd.spatial.get_volume_positions(position_list, orientation_list, rtol=tolerance.rtol,
+                                                       sort=True, handedness=_ALONG_NORMAL)
     if spacing is None or indices is None:
-        spacing_hint, _ = hd.spatial.get_volume_positions(positions, orientation, rtol=tolerance.rtol, sort=True,
-                                                          handedness=_ALONG_NORMAL, allow_missing_positions=True)
+        spacing_hint, _ = hd.spatial.get_volume_positions(position_list, orientation_list, rtol=tolerance.rtol,
+                                                          sort=True, handedness=_ALONG_NORMAL,
+                                                          allow_missing_positions=True)
         if spacing_hint is not None:
             missing = int(round((sorted_distances[-1] - sorted_distances[0]) / spacing_hint)) + 1 - len(instances)
             where = float(sorted_distances[int(np.argmax(gaps))])
@@ -171,6 +193,20 @@ def _slice_order(instances: list[Instance], tolerance: SpacingTolerance) -> tupl
     return order, float(spacing)
 
 
+def _volume_array(shape: tuple[int, int, int]) -> np.ndarray:
+    """An uninitialised float32 array on ordinary 4 KiB pages, in an anonymous mapping of its own.
+
+    numpy asks the kernel for transparent huge pages on large arrays. On the VMs we run on, first-touching a
+    300 MB array of huge pages took anywhere from 0.05 to 1.1 s (bimodal, run to run), and the same array on
+    ordinary pages a steady 0.25 s: a fresh huge page is a whole free block of guest memory, which the host may
+    have to back anew. The volume is filled once and then only read, so huge pages buy little afterwards.
+    """
+    count = int(np.prod(shape))
+    mapping = mmap.mmap(-1, max(count, 1) * np.dtype(np.float32).itemsize)
+    mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(mapping, dtype=np.float32, count=count).reshape(shape)
+
+
 def _read_pixels_into(instances: list[Instance], array: np.ndarray) -> None:
     """Fill `array[k]` with slice k of `instances`, rescaled to modality units, in place.
 
@@ -179,7 +215,7 @@ def _read_pixels_into(instances: list[Instance], array: np.ndarray) -> None:
     """
     def read(k: int) -> None:
         instance = instances[k]
-        syntax = instance.dataset.file_meta.get("TransferSyntaxUID")
+        syntax = uid_value(instance.dataset.file_meta, "TransferSyntaxUID")
         if syntax in _NATIVE_LITTLE_ENDIAN:
             _read_native_slice(instance, array[k])
         elif syntax == RLELossless:
@@ -205,7 +241,8 @@ def _pixel_value(instance: Instance) -> tuple[int, bytes]:
     """The Pixel Data element's declared length and the bytes after its header, read from the stored offset."""
     if instance.pixel_data_offset is None:
         raise VolumeError(f"{instance.path}: no Pixel Data element")
-    header_bytes = 8 if instance.dataset.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian else 12
+    syntax = uid_value(instance.dataset.file_meta, "TransferSyntaxUID")
+    header_bytes = 8 if syntax == ImplicitVRLittleEndian else 12
     with instance.path.open("rb") as stream:
         stream.seek(instance.pixel_data_offset + header_bytes - 4)
         declared = int.from_bytes(stream.read(4), "little")
@@ -267,14 +304,22 @@ def _mask_stored_bits(dataset: pydicom.Dataset, raw: np.ndarray) -> np.ndarray:
 
 def _rescale_into(dataset: pydicom.Dataset, pixels: np.ndarray, out: np.ndarray) -> None:
     """out = pixels * slope + intercept, in float32, in as few passes over the slice as the values allow."""
-    slope = np.float32(dataset.get("RescaleSlope", 1.0) or 1.0)
-    intercept = np.float32(dataset.get("RescaleIntercept", 0.0) or 0.0)
+    slope = np.float32(_first_decimal(dataset, "RescaleSlope") or 1.0)
+    intercept = np.float32(_first_decimal(dataset, "RescaleIntercept") or 0.0)
     if slope == 1.0:
         np.add(pixels, intercept, out=out, casting="unsafe")
     else:
         np.multiply(pixels, slope, out=out, casting="unsafe")
         if intercept != 0.0:
             out += intercept
+
+
+def _first_decimal(dataset: pydicom.Dataset, keyword: str) -> float | None:
+    try:
+        values = decimal_values(dataset, keyword)
+    except ValueError as error:
+        raise VolumeError(f"{dataset.filename}: {error}") from None
+    return values[0] if values else None
 
 
 def _multiframe_volume(instance: Instance) -> hd.Volume:
