@@ -11,9 +11,10 @@ Every measured run is a fresh Python subprocess ("worker"): it imports everythin
 resets the kernel's peak-RSS mark (/proc/self/clear_refs) and records the RSS as the baseline, runs the case
 once and reports wall time and peak RSS above the baseline. The whole-app runs are measured from a wrapper
 subprocess (peak RSS of the app process via RUSAGE_CHILDREN, minus the same process's import-only peak).
-Reported figures are medians over --runs runs (default 3). Results go to bench/results/pipeline.json.
+Reported figures are medians over --runs runs (default 5) for the load and SEG cases and over --app-runs runs
+(default 3) for the whole app. Results go to bench/results/pipeline.json.
 
-    python bench/bench_pipeline.py [--runs N] [--skip-app] [--profile-only]
+    python bench/bench_pipeline.py [--runs N] [--app-runs N] [--skip-app] [--profile-only]
 """
 
 from __future__ import annotations
@@ -560,7 +561,7 @@ def print_table(results: dict, extras: dict) -> None:
 
     console = Console(width=170)
     table = Table(title=f"medserve vs stock App SDK operators: {SHAPE[2]}x{SHAPE[1]}x{SHAPE[0]} CT, "
-                        f"medians of {extras['runs']} fresh-process runs")
+                        f"medians of {extras['runs']} fresh-process runs ({extras['app_runs']} for the whole app)")
     for column in ("case", "ours s", "stock s", "speedup", "ours peak MB", "stock peak MB", "volume MB",
                    "ours peak / volume", "target"):
         table.add_column(column, justify="left" if column in ("case", "target") else "right")
@@ -586,7 +587,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--wrap"]:
         return run_wrapped(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=3, help="fresh-process runs per case (median; default 3)")
+    parser.add_argument("--runs", type=int, default=5,
+                        help="fresh-process runs per load and SEG case (median; default 5)")
+    parser.add_argument("--app-runs", type=int, default=3, help="runs of each whole app (median; default 3)")
     parser.add_argument("--skip-app", action="store_true", help="leave out the whole-app case")
     parser.add_argument("--prepare-only", action="store_true", help="generate the cached series and stop")
     parser.add_argument("--profile-only", action="store_true", help="only profile our load path")
@@ -633,7 +636,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"load_volume": load_volume, "seg_write": seg_write}
     if not args.skip_app:
         log("whole app (uncompressed series, demo bundle):")
-        app_runs = bench_app(args.runs, log)
+        app_runs = bench_app(args.app_runs, log)
         app = case_of(app_runs, volume_mb)
         app["ours_total_peak_mb"] = round(median_of(app_runs["ours"], "total_peak_mb"), 1)
         app["stock_total_peak_mb"] = round(median_of(app_runs["stock"], "total_peak_mb"), 1)
@@ -649,7 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         "series": {"shape_slices_rows_columns": list(SHAPE), "pixel_spacing": list(PIXEL_SPACING),
                    "slice_spacing": SLICE_SPACING, "folders": {s: str(series_dir(s).relative_to(REPO))
                                                                for s in SYNTAXES}},
-        "runs": args.runs, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+        "runs": args.runs, "app_runs": 0 if args.skip_app else args.app_runs, "cpus": os.cpu_count(), "python": sys.version.split()[0],
         "volume_check": checks,
         "our_load_profile": {s: profiles[s]["stages"] for s in SYNTAXES},
         "peak_method": "per fresh process: VmHWM after resetting it via /proc/self/clear_refs, minus RSS at reset",
@@ -657,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print_table(results, {"runs": args.runs})
+    print_table(results, {"runs": args.runs, "app_runs": 0 if args.skip_app else args.app_runs})
     log("where our load path spends its time (one cProfile'd run):")
     for syntax in SYNTAXES:
         log(f"  {syntax}: total {profiles[syntax]['total_s']:.3f} s")

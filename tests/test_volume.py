@@ -13,11 +13,12 @@ from pydicom.data import get_testdata_file
 from pydicom.encaps import encapsulate, generate_frames
 from pydicom.uid import JPEG2000Lossless, RLELossless
 
+import medserve.dicom.index as index_module
 from medserve.demo.phantom import make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import ras_affine, series_to_volume
+from medserve.dicom.volume import load_series, ras_affine, series_to_volume
 from medserve.errors import DicomInputError, VolumeError
 
 
@@ -256,3 +257,50 @@ def test_damaged_rle_frame_is_refused_naming_the_file(tmp_path, phantom):
     dataset.save_as(damaged)
     with pytest.raises(VolumeError, match=f"{damaged.name}: cannot decode pixel data"):
         volume_of(tmp_path)
+
+
+def test_non_numeric_geometry_is_refused_naming_file_and_attribute(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    data = bytearray(written.paths[2].read_bytes())
+    at = data.index(b"\x20\x00\x32\x00DS")  # (0020,0032) ImagePositionPatient, explicit VR
+    length = int.from_bytes(data[at + 6:at + 8], "little")
+    data[at + 8:at + 8 + length] = b"1.5\\abc".ljust(length)
+    written.paths[2].write_bytes(bytes(data))
+    with pytest.raises(VolumeError, match=rf"{written.paths[2].name}: ImagePositionPatient .* not a list of decimal"):
+        volume_of(tmp_path)
+
+
+def test_orientations_written_with_other_digits_but_equal_values_are_one_orientation(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    reference = volume_of(tmp_path)
+    dataset = pydicom.dcmread(written.paths[4])
+    dataset.ImageOrientationPatient = ["1.000000", "0.0", "0", "0", "1.00000", "-0.0"]
+    dataset.save_as(written.paths[4])
+    volume = volume_of(tmp_path)
+    np.testing.assert_array_equal(volume.array, reference.array)
+    np.testing.assert_allclose(volume.affine, reference.affine)
+
+
+def test_a_header_longer_than_the_first_read_is_parsed_from_the_file(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    reference = volume_of(tmp_path).array.copy()
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.add_new(0x00291010, "OB", b"\x01" * (index_module._HEADER_CHUNK_BYTES + 100))  # private, 33 kB
+        dataset.save_as(path)
+    index = index_folder(tmp_path)
+    instance = index.all_series[0].instances[0]
+    assert instance.pixel_data_offset > index_module._HEADER_CHUNK_BYTES
+    np.testing.assert_array_equal(series_to_volume(index.all_series[0]).array, reference)
+
+
+def test_the_first_series_volume_is_built_in_memory_prepared_while_indexing(tmp_path, phantom):
+    _write(tmp_path, phantom)
+    series = index_folder(tmp_path).all_series[0]
+    assert series.volume_memory is not None
+    first = load_series(series).volume.array
+    second = load_series(series).volume.array  # the prepared memory is handed out once: no shared array
+    assert not np.shares_memory(first, second)
+    np.testing.assert_array_equal(first, second)
+    first[:] = 0
+    assert np.any(second != 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import highdicom as hd
+import highdicom._standard_utils as standard_utils
 import nibabel as nib
 import numpy as np
 import pydicom
@@ -101,3 +102,17 @@ def test_nifti_has_the_source_geometry(tmp_path):
     np.testing.assert_allclose(ras[:3], lps[:3] * [-1, -1, 1], atol=1e-4)
     assert image.get_data_dtype() == np.uint16
     assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_cached_iod_lookup_answers_as_highdicom_does():
+    cached = standard_utils.is_attribute_in_iod  # replaced when medserve.writers.seg is imported
+    uncached = cached.uncached
+    ct, seg = "1.2.840.10008.5.1.4.1.1.2", "1.2.840.10008.5.1.4.1.1.66.4"
+    for attribute, sop_class, excluded in [("PerFrameFunctionalGroupsSequence", ct, None),
+                                           ("PerFrameFunctionalGroupsSequence", seg, None),
+                                           ("PixelData", ct, ["IconImageSequence"]),
+                                           ("ContentDate", seg, None), ("NoSuchKeyword", ct, None)]:
+        assert cached(attribute, sop_class, excluded) == uncached(attribute, sop_class, excluded)
+        assert cached(attribute, pydicom.uid.UID(sop_class), excluded) == uncached(attribute, sop_class, excluded)
+    with pytest.raises(KeyError, match="No IOD found"):
+        cached("PixelData", "1.2.3.4")

@@ -17,6 +17,7 @@ import pydicom
 from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
 
+from medserve.dicom.memory import VolumeMemory
 from medserve.dicom.values import uid_value
 from medserve.errors import DicomInputError
 
@@ -47,6 +48,8 @@ class Series:
     study_uid: str
     series_uid: str
     instances: list[Instance] = field(default_factory=list)
+    # Memory for this series' volume, faulted in while the folder was indexed (the first series found only).
+    volume_memory: VolumeMemory | None = field(default=None, repr=False, compare=False)
 
     @property
     def header(self) -> Dataset:
@@ -147,6 +150,7 @@ def index_folder(folder: Path | str) -> StudyIndex:
     studies: dict[str, Study] = {}
     series_by_uid: dict[str, Series] = {}
     skipped: list[tuple[Path, str]] = []
+    prepared: Series | None = None
     for path in paths:
         instance = _read_or_skip(path, skipped)
         if instance is None:
@@ -166,6 +170,11 @@ def index_folder(folder: Path | str) -> StudyIndex:
             series = series_by_uid[series_uid] = Series(study_uid=study_uid, series_uid=series_uid)
             studies.setdefault(study_uid, Study(study_uid=study_uid)).series.append(series)
         series.instances.append(instance)
+        if prepared is None:
+            prepared = series
+            series.volume_memory = VolumeMemory.for_header(dataset, capacity=len(paths))
+        if series is prepared and series.volume_memory is not None:
+            series.volume_memory.reserve(len(series.instances))
 
     if not studies:
         reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])

@@ -14,7 +14,6 @@ plugins. Several slices are read at once.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from pydicom.encaps import generate_frames
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
 
 from medserve.dicom.index import Instance, Series
+from medserve.dicom.memory import volume_array
 from medserve.dicom.values import decimal_values, stored_bytes, uid_value
 from medserve.errors import VolumeError
 
@@ -66,7 +66,9 @@ def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()
         return LoadedSeries(series, _multiframe_volume(series.instances[0]), list(series.instances))
     ordered, spacing = _volume_order(series, tolerance)
     first = ordered[0].dataset
-    array = _volume_array((len(ordered), int(first.Rows), int(first.Columns)))
+    shape = (len(ordered), int(first.Rows), int(first.Columns))
+    prepared = series.volume_memory.take(shape) if series.volume_memory is not None else None
+    array = prepared if prepared is not None else volume_array(shape)
     _read_pixels_into(ordered, array)
     volume = hd.Volume(array=array, affine=slice_affine(first, spacing), coordinate_system="PATIENT",
                        frame_of_reference_uid=first.get("FrameOfReferenceUID"))
@@ -191,20 +193,6 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
     for position, volume_index in enumerate(indices):
         order[volume_index] = position
     return order, float(spacing)
-
-
-def _volume_array(shape: tuple[int, int, int]) -> np.ndarray:
-    """An uninitialised float32 array on ordinary 4 KiB pages, in an anonymous mapping of its own.
-
-    numpy asks the kernel for transparent huge pages on large arrays. On the VMs we run on, first-touching a
-    300 MB array of huge pages took anywhere from 0.05 to 1.1 s (bimodal, run to run), and the same array on
-    ordinary pages a steady 0.25 s: a fresh huge page is a whole free block of guest memory, which the host may
-    have to back anew. The volume is filled once and then only read, so huge pages buy little afterwards.
-    """
-    count = int(np.prod(shape))
-    mapping = mmap.mmap(-1, max(count, 1) * np.dtype(np.float32).itemsize)
-    mapping.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(mapping, dtype=np.float32, count=count).reshape(shape)
 
 
 def _read_pixels_into(instances: list[Instance], array: np.ndarray) -> None:

@@ -35,7 +35,7 @@ def _cache_iod_attribute_lookup() -> None:
     depends only on the arguments (the tables are constants of the installed highdicom), so a cache is exact.
     """
     lookup = hd_standard_utils.is_attribute_in_iod
-    if getattr(lookup, "cached_by_medserve", False):
+    if hasattr(lookup, "uncached"):
         return
 
     @functools.lru_cache(maxsize=4096)
@@ -47,7 +47,7 @@ def _cache_iod_attribute_lookup() -> None:
         excluded = tuple(exclude_path_elements) if exclude_path_elements is not None else None
         return cached(attribute, str(sop_class_uid), excluded)
 
-    is_attribute_in_iod.cached_by_medserve = True  # type: ignore[attr-defined]
+    is_attribute_in_iod.uncached = lookup  # type: ignore[attr-defined]
     hd_standard_utils.is_attribute_in_iod = is_attribute_in_iod
 
 
