@@ -652,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         "series": {"shape_slices_rows_columns": list(SHAPE), "pixel_spacing": list(PIXEL_SPACING),
                    "slice_spacing": SLICE_SPACING, "folders": {s: str(series_dir(s).relative_to(REPO))
                                                                for s in SYNTAXES}},
-        "runs": args.runs, "app_runs": 0 if args.skip_app else args.app_runs, "cpus": os.cpu_count(), "python": sys.version.split()[0],
+        "runs": args.runs, "app_runs": 0 if args.skip_app else args.app_runs, "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
         "volume_check": checks,
         "our_load_profile": {s: profiles[s]["stages"] for s in SYNTAXES},
         "peak_method": "per fresh process: VmHWM after resetting it via /proc/self/clear_refs, minus RSS at reset",

@@ -2,6 +2,8 @@
 
 Pixel data is never read here: each instance remembers where its Pixel Data element starts in the file, so
 that `medserve.dicom.volume` can read the pixels of the one series that is used, straight into the volume.
+While the headers are parsed, memory for the first series' volume is faulted in on a background thread
+(`medserve.dicom.memory`).
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ class StudyIndex:
 def read_header(path: Path) -> Instance:
     """Read one file's header, stopping before the pixel data; raise InvalidDicomError if it is not DICOM.
 
-    The first `_HEADER_CHUNK_BYTES` are read in one call and parsed in memory, which is about twice as fast as
-    pydicom's many small reads on the file; a header that does not end within them is parsed from the file.
+    The first `_HEADER_CHUNK_BYTES` are read in one call and parsed in memory, which took a fifth less time here
+    than pydicom's many small reads on the file; a header that does not end within them is parsed from the file.
     """
     with path.open("rb") as stream:
         head = stream.read(_HEADER_CHUNK_BYTES)

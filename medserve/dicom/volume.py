@@ -2,13 +2,15 @@
 
 The array is indexed (slice, row, column) and the affine maps those indices to LPS patient coordinates in mm,
 slices ordered along the slice normal (a right-handed frame), whatever order the files came in. Geometry comes
-from highdicom (`get_volume_positions`); we only check the series first, so that a
-broken series is refused with the reason rather than turned into a silently wrong volume.
+from highdicom (`get_volume_positions`); we only check the series first, so that a broken series is refused
+with the reason rather than turned into a silently wrong volume. The checks read positions, orientations and
+spacings as stored (`medserve.dicom.values`), not through pydicom's per-value conversion.
 
 Uncompressed little-endian pixel data is read straight from the file into the preallocated volume (no
 per-file dataset copy) and so is RLE Lossless, decoded by imagecodecs (its decoder releases the GIL, so the
 threads decode in parallel; pylibjpeg-rle's holds it); other compressed transfer syntaxes are decoded by pydicom's
-plugins. Several slices are read at once.
+plugins. Several slices are read at once. The volume's memory comes from `medserve.dicom.memory`: ordinary pages,
+already faulted in while the folder was indexed when the series is the first one found.
 """
 
 from __future__ import annotations
