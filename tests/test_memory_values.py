@@ -10,6 +10,7 @@ import pydicom
 import pytest
 from pydicom.data import get_testdata_file
 
+import medserve.dicom.memory as memory_module
 from medserve.dicom.memory import VolumeMemory, volume_array
 from medserve.dicom.values import decimal_values, stored_bytes, uid_value
 
@@ -54,6 +55,15 @@ def test_volume_memory_is_not_prepared_for_multiframe_images():
     assert VolumeMemory.for_header(enhanced, capacity=1) is None
     single = pydicom.dcmread(get_testdata_file("CT_small.dcm"), stop_before_pixels=True)
     assert VolumeMemory.for_header(single, capacity=3).slice_shape == (128, 128)
+
+
+def test_memory_that_cannot_be_mapped_is_not_prepared(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(memory_module.mmap, "mmap", refuse)
+    single = pydicom.dcmread(get_testdata_file("CT_small.dcm"), stop_before_pixels=True)
+    assert VolumeMemory.for_header(single, capacity=10**7) is None
 
 
 def test_volume_array_is_a_writable_float32_array():

@@ -10,12 +10,15 @@ one used holds at most that series' volume in memory until the index is dropped.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import threading
 import weakref
 
 import numpy as np
 from pydicom.dataset import Dataset
+
+log = logging.getLogger("medserve.dicom.memory")
 
 _ITEM_BYTES = np.dtype(np.float32).itemsize
 # Slices faulted in per step: large enough that the thread's GIL handovers between steps cost little.
@@ -93,7 +96,11 @@ class VolumeMemory:
         rows, columns = dataset.get("Rows"), dataset.get("Columns")
         if not rows or not columns or int(dataset.get("NumberOfFrames", 1) or 1) != 1:
             return None
-        return cls((int(rows), int(columns)), capacity)
+        try:
+            return cls((int(rows), int(columns)), capacity)
+        except (OSError, ValueError):  # address space refused (a huge folder): the volume allocates later
+            log.info("no volume memory prepared", extra={"slices": capacity, "rows": rows, "columns": columns})
+            return None
 
     def reserve(self, slices: int) -> None:
         faulting = self._faulting
