@@ -33,6 +33,8 @@ def _cache_iod_attribute_lookup() -> None:
     highdicom 0.28 answers it by scanning its IOD and module tables (0.4-0.6 ms a call) and asks it once per source
     image when it builds a SEG from a series (`is_multiframe_image`): 0.1-0.2 s of a 300-slice SEG. The answer
     depends only on the arguments (the tables are constants of the installed highdicom), so a cache is exact.
+    Only callers that look it up through `highdicom._standard_utils` (as `is_multiframe_image` does) see the
+    cache; modules that imported the function by name keep the uncached one.
     """
     lookup = hd_standard_utils.is_attribute_in_iod
     if hasattr(lookup, "uncached"):
@@ -40,7 +42,8 @@ def _cache_iod_attribute_lookup() -> None:
 
     @functools.lru_cache(maxsize=4096)
     def cached(attribute: str, sop_class_uid: str, exclude_path_elements: tuple[str, ...] | None) -> bool:
-        return lookup(attribute, sop_class_uid, list(exclude_path_elements) if exclude_path_elements else None)
+        excluded = list(exclude_path_elements) if exclude_path_elements is not None else None
+        return lookup(attribute, sop_class_uid, excluded)
 
     def is_attribute_in_iod(attribute: str, sop_class_uid: str,
                             exclude_path_elements: Sequence[str] | None = None) -> bool:
