@@ -23,6 +23,11 @@ _DEFER_BYTES = 4096
 class SeriesSelectorOperator(Operator):
     """Select series by rules (same JSON and matching semantics as DICOMSeriesSelectorOperator).
 
+    rules: a JSON string, a JSON file or a dict, validated here (SelectionError when malformed); None or blank:
+        the largest CT or MR series of each study (the stock selects every series). See medserve.dicom.select.
+    all_matched, sort_by_sop_instance_count: as the stock operator's (all matches of each selection; with
+        all_matched, ordered by SOP instance count, largest first).
+
     Named input:
         study_index: a StudyIndex from DicomLoaderOperator.
 
@@ -34,9 +39,11 @@ class SeriesSelectorOperator(Operator):
     """
 
     def __init__(self, fragment: Fragment, *args, rules: str | Path | dict[str, Any] | None = None,
-                 all_matched: bool = False, sdk_selection: bool = False, **kwargs):
+                 all_matched: bool = False, sort_by_sop_instance_count: bool = False, sdk_selection: bool = False,
+                 **kwargs):
         self.rules = load_rules(rules)
         self.all_matched = all_matched
+        self.sort_by_sop_instance_count = sort_by_sop_instance_count
         self.sdk_selection = sdk_selection
         super().__init__(fragment, *args, **kwargs)
 
@@ -47,7 +54,8 @@ class SeriesSelectorOperator(Operator):
 
     @reports_failures
     def compute(self, op_input, op_output, context):
-        selected = select_series(op_input.receive("study_index"), self.rules, all_matched=self.all_matched)
+        selected = select_series(op_input.receive("study_index"), self.rules, all_matched=self.all_matched,
+                                 sort_by_sop_instance_count=self.sort_by_sop_instance_count)
         op_output.emit(selected, "selected_series")
         if self.sdk_selection:
             op_output.emit(as_sdk_selection(selected), "study_selected_series_list")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pydicom
@@ -27,27 +28,33 @@ def two_series_study(tmp_path) -> Path:
     return tmp_path
 
 
-def test_index_groups_by_study_and_series_and_skips_what_is_not_an_image(two_series_study):
-    index = index_folder(two_series_study)
+def test_index_groups_by_study_and_series_and_skips_what_is_not_an_image(two_series_study, caplog):
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.index"):
+        index = index_folder(two_series_study)
     assert len(index.studies) == 1
     assert sorted(len(s.instances) for s in index.all_series) == [3, 16]
     skipped = {path.name: reason for path, reason in index.skipped}
     assert skipped == {"notes.txt": "not a DICOM file", "empty.bin": "not a DICOM file"}
+    warned = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert warned == [f"skipping {two_series_study / name}: not a DICOM file" for name in ("empty.bin", "notes.txt")]
     # Headers only: pixel data was not read, but its position is known.
     instance = index.all_series[0].instances[0]
     assert "PixelData" not in instance.dataset
     assert instance.pixel_data_offset is not None
 
 
-def test_dicomdir_is_skipped_and_the_files_it_lists_are_indexed(tmp_path):
+def test_dicomdir_is_skipped_and_the_files_it_lists_are_indexed(tmp_path, caplog):
     written = write_ct_series(make_phantom(shape=(3, 8, 8)).hu, tmp_path / "src")
     file_set = FileSet()
     for path in written.paths:
         file_set.add(pydicom.dcmread(path))
     file_set.write(tmp_path / "media")
-    index = index_folder(tmp_path / "media")
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.index"):
+        index = index_folder(tmp_path / "media")
     assert [len(s.instances) for s in index.all_series] == [3]
     assert [(p.name, "DICOMDIR" in why) for p, why in index.skipped] == [("DICOMDIR", True)]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"skipping {tmp_path / 'media' / 'DICOMDIR'}: DICOMDIR (the folder is scanned directly instead)"]
 
 
 def test_empty_folder_is_refused(tmp_path):
@@ -77,6 +84,19 @@ def test_corrupt_dicom_header_is_refused_naming_the_file(tmp_path):
 def test_default_rules_pick_the_largest_ct_series(two_series_study):
     [choice] = select_series(index_folder(two_series_study))
     assert choice.series.description == "Abdomen 3mm"
+
+
+def test_user_rules_take_the_first_match_in_study_order_as_the_stock(tmp_path):
+    """The largest-first order is our default's only: given rules, the stock's first match wins."""
+    phantom = make_phantom(shape=(8, 16, 16), seed=3)
+    scout = write_ct_series(phantom.hu[:2], tmp_path / "1_scout", series_description="Scout")
+    write_ct_series(phantom.hu, tmp_path / "2_main", study_uid=scout.study_uid, series_description="Main")
+    index = index_folder(tmp_path)
+    assert select_series(index)[0].series.description == "Main"
+    rules = {"selections": [{"name": "ct", "conditions": {"Modality": "CT"}}]}
+    assert [c.series.description for c in select_series(index, rules)] == ["Scout"]
+    by_count = select_series(index, rules, all_matched=True, sort_by_sop_instance_count=True)
+    assert [c.series.description for c in by_count] == ["Main", "Scout"]
 
 
 RULES = {"selections": [{"name": "scout", "conditions": {"SeriesDescription": "(?i)^scout$"}}]}
@@ -118,6 +138,5 @@ def test_rules_from_a_file_and_malformed_rules(tmp_path):
         load_rules(str(path))
     with pytest.raises(SelectionError, match="expected"):
         load_rules({"rules": []})
-    write_ct_series(make_phantom(shape=(3, 8, 8)).hu, tmp_path / "s")
-    with pytest.raises(SelectionError, match="operator '~'"):
-        select_series(index_folder(tmp_path / "s"), {"selections": [{"conditions": {"SliceThickness": [1, "~"]}}]})
+    with pytest.raises(SelectionError, match="operator '~'"):  # when loaded, before any series is matched
+        load_rules({"selections": [{"conditions": {"SliceThickness": [1, "~"]}}]})
