@@ -19,7 +19,7 @@ from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, segment_concept, write_seg
 from tests.conftest import dciodvfy_errors
 
-LABELS = {1: "spleen", 2: "Right Kidney", 3: "inferior_vena_cava", 4: "tumour core"}
+LABELS = {1: "spleen", 2: "Right Kidney", 3: "inferior_vena_cava", 4: "tumour core", 5: "tumour"}
 
 
 def study(folder: Path, patient: Patient = Patient(), geometry: SeriesGeometry = SeriesGeometry()):
@@ -34,6 +34,7 @@ def multi_label(loaded) -> np.ndarray:
     label_map[2:6, 4:12, 4:12] = 1
     label_map[8:10, 20:28, 6:9] = 2
     label_map[12, 10:20, 10:20] = 4  # label 3 is absent: an empty segment
+    label_map[14, 2:8, 20:26] = 5
     return label_map
 
 
@@ -75,7 +76,9 @@ def test_segments_carry_names_and_coded_anatomy(tmp_path):
     assert descriptions[1].SegmentedPropertyTypeCodeSequence[0].CodeValue == "78961009"  # Spleen
     assert descriptions[2].SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Kidney"
     assert descriptions[3].SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Inferior vena cava"
-    assert descriptions[4].SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Tissue"  # not an anatomy term
+    assert descriptions[4].SegmentedPropertyTypeCodeSequence[0].CodeMeaning == "Tissue"  # not a known concept
+    assert descriptions[5].SegmentedPropertyCategoryCodeSequence[0].CodeValue == "49755003"  # Morph. abnormal
+    assert descriptions[5].SegmentedPropertyTypeCodeSequence[0].CodeValue == "108369006"  # Neoplasm
 
 
 def test_seg_works_when_the_source_lacks_optional_patient_attributes(tmp_path):
@@ -85,10 +88,33 @@ def test_seg_works_when_the_source_lacks_optional_patient_attributes(tmp_path):
     assert dciodvfy_errors(path) == []
 
 
-def test_segment_concept_falls_back_to_tissue():
-    assert segment_concept("liver")[1].meaning == "Liver"
-    assert segment_concept("kidney_left")[1].meaning == "Kidney"
-    assert segment_concept("label 7")[1].meaning == "Tissue"
+ANATOMY, ABNORMAL, OBJECT, TISSUE = ("91723000", "49755003", "260787004", "85756007")  # CID 7150 categories
+
+
+@pytest.mark.parametrize(("label", "category", "kind"), [
+    ("spleen", ANATOMY, ("SCT", "78961009")),  # CID 7192
+    ("liver", ANATOMY, ("SCT", "10200004")),
+    ("Right Kidney", ANATOMY, ("SCT", "64033007")),  # laterality dropped: Kidney
+    ("kidney_left", ANATOMY, ("SCT", "64033007")),
+    ("left atrium", ANATOMY, ("SCT", "82471001")),  # a structure of its own, not "Atrium"
+    ("inferior_vena_cava", ANATOMY, ("SCT", "64131007")),
+    ("tumor", ABNORMAL, ("SCT", "108369006")),  # CID 7194 Neoplasm
+    ("tumour", ABNORMAL, ("SCT", "108369006")),
+    ("lesion", ABNORMAL, ("SCT", "52988006")),
+    ("edema", ABNORMAL, ("SCT", "79654002")),
+    ("oedema", ABNORMAL, ("SCT", "79654002")),
+    ("necrosis", ABNORMAL, ("SCT", "6574001")),
+    ("catheter", OBJECT, ("SCT", "19923001")),  # CID 7193
+    ("central line", OBJECT, ("DCM", "112174")),
+    ("adipose tissue", TISSUE, ("SCT", "55603005")),  # CID 7191 Fat
+    ("background-ish nonsense", TISSUE, ("SCT", "85756007")),  # not a known concept: the generic one
+    ("tumour core", TISSUE, ("SCT", "85756007")),
+    ("label 7", TISSUE, ("SCT", "85756007")),
+])
+def test_segment_concept_comes_from_the_segmentation_context_groups(label, category, kind):
+    found_category, found_kind = segment_concept(label)
+    assert (found_category.scheme_designator, found_category.value) == ("SCT", category)
+    assert (found_kind.scheme_designator, found_kind.value) == kind
 
 
 def test_nifti_has_the_source_geometry(tmp_path):

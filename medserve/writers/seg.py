@@ -1,8 +1,11 @@
 """DICOM SEG (highdicom) from a label map: one segment per bundle label, referencing the source series.
 
-Segment descriptions come from the bundle's metadata: each label name is looked up as a SNOMED CT anatomy
-concept ("spleen", "Right Kidney" -> Kidney, "inferior_vena_cava"), falling back to the generic "Tissue"
-concept when the name is not a known structure. Empty frames are omitted.
+Segment descriptions come from the bundle's metadata: each label name is looked up in the DICOM segmentation
+context groups (PS3.16 CID 7150 categories and the type group of each category, CIDs 7191-7198), so a known
+anatomy gets (Anatomical Structure, that structure) ("spleen", "Right Kidney" -> Kidney, "inferior_vena_cava"),
+a known lesion (Morphologically Abnormal Structure, that finding) ("tumour" -> Neoplasm, "edema"), a known device
+(Physical Object, that object) ("catheter"), and any other name the generic (Tissue, Tissue). Empty frames are
+omitted.
 """
 
 from __future__ import annotations
@@ -18,11 +21,31 @@ import highdicom._standard_utils as hd_standard_utils
 import numpy as np
 from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
+from pydicom.sr.coding import Code
 from pydicom.uid import generate_uid
 
 import medserve
 
 _LATERALITY_WORDS = {"left", "right", "l", "r"}
+# DICOM PS3.16 CID 7150 (Segmentation Property Categories) and, for each category, the context group its
+# Segmented Property Type comes from. When a concept is in more than one group, the first listed wins: an
+# artery is an Anatomical Structure (7192) before a Tissue (7191); "background"/"normal" are Spatial and
+# Relational Concepts (7196) before Morphologically Abnormal Structures (7194 lists them too).
+_CATEGORY_TYPE_GROUPS = (
+    ("AnatomicalStructure", 7192),  # Anatomical Structure Segmentation Property Type
+    ("Tissue", 7191),  # Tissue Segmentation Property Type
+    ("SpatialAndRelationalConcept", 7196),  # Spatial and Relational Concept Segmentation Property Type
+    ("MorphologicallyAbnormalStructure", 7194),  # Morphologically Abnormal Structure Segmentation Property Type
+    ("PhysicalObject", 7193),  # Physical Object Segmentation Property Type
+    ("BodySubstance", 7197),  # Body Substance Segmentation Property Type
+    ("Substance", 7198),  # Substance Segmentation Property Type
+    ("Function", 7195),  # Function Segmentation Property Type
+)
+# British spellings of words the groups spell the American way. Other synonyms need no table: a SNOMED CT
+# keyword that names the same code as a group member ("Tumor" is 108369006, which CID 7194 calls "Neoplasm")
+# resolves to that member.
+_SPELLINGS = {"tumour": "tumor", "oedema": "edema", "haemorrhage": "hemorrhage", "oesophagus": "esophagus",
+              "faeces": "feces"}
 _TYPE2_COPIED_ATTRIBUTES = ("PatientID", "PatientName", "PatientBirthDate", "PatientSex", "AccessionNumber",
                             "StudyID", "StudyDate", "StudyTime")
 
@@ -65,18 +88,46 @@ class Algorithm:
     version: str
 
 
-def segment_concept(label: str) -> tuple[hd.sr.CodedConcept, hd.sr.CodedConcept]:
-    """(category, type) coded concepts for a label name: a SNOMED CT anatomy concept when one matches."""
-    words = [w for w in re.split(r"[^0-9A-Za-z]+", label) if w]
+def segment_concept(label: str) -> tuple[Code, Code]:
+    """(category, type) coded concepts for a label name, from the DICOM segmentation context groups.
+
+    The name's words (laterality words kept, then dropped: "left atrium" is a structure of its own, "Right
+    Kidney" is a Kidney) are matched case-insensitively against the keywords of CIDs 7191-7198, then as a
+    SNOMED CT keyword whose code is in one of them; a name that matches neither is (Tissue, Tissue).
+    """
+    words = [_SPELLINGS.get(w.lower(), w) for w in re.split(r"[^0-9A-Za-z]+", label) if w]
     structure_words = [w for w in words if w.lower() not in _LATERALITY_WORDS]
-    keyword = "".join(w.capitalize() for w in structure_words)
-    try:
-        code = getattr(codes.SCT, keyword) if keyword else None
-    except AttributeError:
-        code = None
-    if code is None:
-        return codes.cid7150.Tissue, codes.SCT.Tissue
-    return codes.cid7150.AnatomicalStructure, code
+    for candidate in (words, structure_words):
+        found = _lookup_concept("".join(w.capitalize() for w in candidate)) if candidate else None
+        if found is not None:
+            return found
+    return codes.cid7150.Tissue, codes.cid7191.Tissue
+
+
+@functools.lru_cache(maxsize=1024)
+def _lookup_concept(keyword: str) -> tuple[Code, Code] | None:
+    by_keyword, by_code = _segmentation_concepts()
+    found = by_keyword.get(keyword.lower())
+    if found is None:
+        try:
+            code = getattr(codes.SCT, keyword)
+        except AttributeError:
+            return None
+        found = by_code.get((code.scheme_designator, code.value))
+    return found
+
+
+@functools.cache
+def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[str, str], tuple[Code, Code]]]:
+    """(category, type) of every concept in the type groups: by lower-cased keyword and by (scheme, code value)."""
+    by_keyword: dict[str, tuple[Code, Code]] = {}
+    by_code: dict[tuple[str, str], tuple[Code, Code]] = {}
+    for category_keyword, cid in _CATEGORY_TYPE_GROUPS:
+        category = getattr(codes.cid7150, category_keyword)
+        for keyword, code in getattr(codes, f"cid{cid}").concepts.items():
+            by_keyword.setdefault(keyword.lower(), (category, code))
+            by_code.setdefault((code.scheme_designator, code.value), (category, code))
+    return by_keyword, by_code
 
 
 def segment_descriptions(labels: dict[int, str], numbers: list[int], algorithm: Algorithm) -> list[hd.seg.SegmentDescription]:
