@@ -6,7 +6,7 @@ from pathlib import Path
 
 from monai.deploy.core import Fragment, Operator, OperatorSpec
 
-from medserve.bundle.predictor import BundlePredictor
+from medserve.bundle.predictor import BundlePredictor, as_volume
 from operators.failures import reports_failures
 
 
@@ -14,7 +14,13 @@ class BundleInferenceOperator(Operator):
     """Segment a volume with a bundle loaded once, at construction, and reused for every volume.
 
     Named input:
-        volume: `highdicom.Volume` from SeriesToVolumeOperator (or any volume with a patient-space affine).
+        volume: either
+            - a `highdicom.Volume` (from our SeriesToVolumeOperator, or any volume with an LPS patient-space
+              affine of its (slice, row, column) indices), or
+            - a stock `monai.deploy.core.Image`, as the SDK's DICOMSeriesToVolumeOperator emits it: a
+              (slice, row, column) array with `affine`/`space`, `dicom_affine_transform` or
+              `nifti_affine_transform` metadata; it is converted by `medserve.bundle.predictor.as_volume`.
+        Anything else, or an Image without geometry, is a BundleError (reported, no output).
 
     Named output:
         label_map: numpy uint16 array, same (slice, row, column) shape and geometry as the input volume.
@@ -29,9 +35,10 @@ class BundleInferenceOperator(Operator):
         return cls(fragment, *args, predictor=BundlePredictor.from_dir(bundle_path, device), **kwargs)
 
     def setup(self, spec: OperatorSpec):
-        spec.input("volume")
+        spec.input("volume")  # highdicom.Volume or monai.deploy.core.Image (see the class docstring)
         spec.output("label_map")
 
     @reports_failures
     def compute(self, op_input, op_output, context):
-        op_output.emit(self.predictor.predict(op_input.receive("volume")), "label_map")
+        volume = as_volume(op_input.receive("volume"))
+        op_output.emit(self.predictor.predict(volume), "label_map")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import highdicom as hd
@@ -10,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from monai.bundle import ConfigParser
+
 from medserve.bundle import BundlePredictor
 from medserve.demo.phantom import dice, make_phantom
-from medserve.demo.study import SeriesGeometry
+from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.errors import BundleError
-from tests.conftest import THRESHOLD_HU, make_threshold_bundle
+from tests.conftest import MODEL_ZOO, THRESHOLD_HU, make_threshold_bundle, run_app
 from tests.test_volume import ORIENTATIONS
 
 
@@ -25,11 +28,40 @@ def phantom_volume(shape=(24, 48, 48), spacing=(2.5, 2.0, 2.0), orientation=ORIE
     return hd.Volume(array=phantom.hu, affine=geometry.affine(), coordinate_system="PATIENT"), phantom
 
 
-@pytest.mark.parametrize("name,labels", [("spleen_ct_segmentation", 1), ("swin_unetr_btcv_segmentation", 13),
-                                         ("wholeBody_ct_segmentation", 104)])
-def test_model_zoo_configs_run_unchanged(zoo_bundle, name, labels):
+def zoo_bundle_params(root):
+    """One parameter per bundle folder under `root`; a single None (the test then fails) when there are none."""
+    names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if root.is_dir() else []
+    return names or [pytest.param(None, id="no-bundles")]
+
+
+def test_zoo_discovery_finds_every_bundle_folder_and_flags_none(tmp_path):
+    assert zoo_bundle_params(tmp_path) == [pytest.param(None, id="no-bundles")]
+    assert zoo_bundle_params(tmp_path / "absent") == [pytest.param(None, id="no-bundles")]
+    for name in ("b_bundle", "a_bundle", ".hidden"):
+        (tmp_path / name / "configs").mkdir(parents=True)
+    (tmp_path / "README.md").write_text("not a bundle")
+    assert zoo_bundle_params(tmp_path) == ["a_bundle", "b_bundle"]
+
+
+def output_channels(config_path):
+    """network_def's out_channels as the config states it (references resolved), or None."""
+    parser = ConfigParser()
+    parser.read_config(str(config_path))
+    return parser.get_parsed_content("network_def#out_channels") if "network_def#out_channels" in parser else None
+
+
+@pytest.mark.parametrize("name", zoo_bundle_params(MODEL_ZOO))
+def test_model_zoo_configs_run_unchanged(zoo_bundle, name):
+    if name is None:
+        state = "holds no bundle folders" if MODEL_ZOO.is_dir() else "does not exist"
+        pytest.fail(f"{MODEL_ZOO} {state}; expected the model-zoo test data, one folder per published bundle")
     predictor = BundlePredictor.from_dir(zoo_bundle(name), device="cpu")
-    assert len(predictor.labels) == labels
+    channels = output_channels(predictor.layout.config_path)
+    assert predictor.labels, f"{name}: metadata.json names no foreground labels"
+    if channels is not None:  # one output channel per label, plus background
+        assert len(predictor.labels) == channels - 1
+    labels = max(predictor.labels)
     volume, _ = phantom_volume()
     label_map = predictor.predict(volume)
     assert label_map.shape == volume.array.shape
@@ -145,3 +177,144 @@ def test_missing_metadata_is_refused(tmp_path, threshold_bundle):
     (bundle / "configs" / "metadata.json").unlink()
     with pytest.raises(BundleError, match="configs/metadata.json is missing"):
         BundlePredictor.from_dir(bundle)
+
+
+# ---- device: refused when the predictor is created, naming what was asked for and what exists ----------------
+
+@pytest.mark.parametrize("device", ["foo", "cuda:x", "", "CPU"])
+def test_device_that_is_not_a_torch_device_is_refused(threshold_bundle, device):
+    with pytest.raises(BundleError, match=rf"^device '{device}' is not a torch device name \(e.g. cpu, cuda, "
+                                          rf"cuda:0\); available here: cpu"):
+        BundlePredictor.from_dir(threshold_bundle, device=device)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "meta", "xla"])
+def test_device_this_machine_lacks_is_refused(monkeypatch, threshold_bundle, device):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BundleError, match=rf"^device '{device}' is not available on this machine; "
+                                          rf"available here: cpu$"):
+        BundlePredictor.from_dir(threshold_bundle, device=device)
+
+
+def test_gpu_index_beyond_the_gpus_present_is_refused_listing_them(monkeypatch, threshold_bundle):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(BundleError, match=r"^device 'cuda:3' is not available on this machine; available here: "
+                                          r"cpu, cuda:0, cuda:1$"):
+        BundlePredictor.from_dir(threshold_bundle, device="cuda:3")
+
+
+def test_cpu_device_is_accepted_as_name_and_object(threshold_bundle):
+    assert BundlePredictor.from_dir(threshold_bundle, device="cpu").device == torch.device("cpu")
+    assert BundlePredictor.from_dir(threshold_bundle, device=torch.device("cpu")).device == torch.device("cpu")
+
+
+def test_app_reports_a_bad_device_as_one_error_line(tmp_path, threshold_bundle):
+    (tmp_path / "in").mkdir()
+    completed = run_app("-i", tmp_path / "in", "-o", tmp_path / "out", "-m", threshold_bundle, "--device", "foo")
+    assert completed.returncode == 2, completed.stderr
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: device 'foo' is not a torch device name (e.g. cpu, cuda, cuda:0); available here: "
+                      f"{', '.join(['cpu'] + [f'cuda:{i}' for i in range(torch.cuda.device_count())])}"]
+    assert "Traceback" not in completed.stderr
+
+
+# ---- failures of the bundle's own components while predicting ------------------------------------------------
+
+def edited_bundle(root, edit, weights=None):
+    """A threshold bundle whose inference config is changed by `edit(config)` (and its weights replaced)."""
+    bundle = make_threshold_bundle(root)
+    config = json.loads((bundle / "configs" / "inference.json").read_text())
+    edit(config)
+    (bundle / "configs" / "inference.json").write_text(json.dumps(config))
+    if weights is not None:
+        torch.save(weights.state_dict(), bundle / "models" / "model.pt")
+    return bundle
+
+
+def test_network_that_expects_other_channels_fails_naming_bundle_stage_shape_and_cause(tmp_path):
+    bundle = edited_bundle(tmp_path / "four_channels", lambda c: c["network_def"].update(in_channels=4),
+                           weights=torch.nn.Conv3d(4, 2, 1))
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    volume, _ = phantom_volume()
+    with pytest.raises(BundleError) as raised:
+        predictor.predict(volume)
+    message = str(raised.value)
+    assert re.fullmatch(r"bundle four_channels: network/inferer \(SlidingWindowInferer\) failed on the input volume "
+                        r"of shape \(24, 48, 48\) \(slice, row, column\): RuntimeError: .*expected input\[.*\] to "
+                        r"have 4 channels, but got 1 channels instead", message), message
+    assert isinstance(raised.value.__cause__, RuntimeError)
+
+
+def test_preprocessing_failure_names_the_transform_and_the_original_error(tmp_path):
+    bundle = edited_bundle(tmp_path / "needs_label", lambda c: c["preprocessing"]["transforms"].append(
+        {"_target_": "ScaleIntensityd", "keys": "label"}))
+    volume, _ = phantom_volume()
+    with pytest.raises(BundleError, match=r"^bundle needs_label: preprocessing failed on the input volume of shape "
+                                          r"\(24, 48, 48\) \(slice, row, column\): in ScaleIntensityd: KeyError: "
+                                          r"Key `label` of transform `ScaleIntensityd` was missing") as raised:
+        BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
+    assert raised.value.__cause__ is not None
+    assert "\n" not in str(raised.value)
+
+
+def test_postprocessing_failure_is_reported_as_such(tmp_path):
+    bundle = edited_bundle(tmp_path / "bad_post", lambda c: c["postprocessing"]["transforms"].insert(
+        0, {"_target_": "AsDiscreted", "keys": "probabilities"}))
+    volume, _ = phantom_volume()
+    with pytest.raises(BundleError, match=r"^bundle bad_post: postprocessing failed on the input volume of shape "
+                                          r"\(24, 48, 48\) .*: in AsDiscreted: KeyError: Key `probabilities`"):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
+
+
+class Raising(torch.nn.Module):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    def forward(self, batch):
+        raise self.error
+
+
+@pytest.mark.parametrize("error,expected", [
+    (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+     r"out of GPU memory on cpu \(OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB\); free GPU "
+     r"memory, lower the inferer's sw_batch_size/roi_size, or use device cpu$"),
+    (MemoryError(), r"out of host memory \(MemoryError\); use a machine with more memory or a smaller volume$"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 96000000000 bytes."), r"out of host memory \(RuntimeError: .*\)"),
+])
+def test_out_of_memory_says_so_and_the_predictor_stays_usable(threshold_bundle, error, expected):
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    network = predictor.network
+    volume, _ = phantom_volume()
+    predictor.network = Raising(error)
+    with pytest.raises(BundleError, match=r"^bundle threshold: network/inferer \(SlidingWindowInferer\) failed on "
+                                          r"the input volume of shape \(24, 48, 48\) \(slice, row, column\): "
+                                          + expected) as raised:
+        predictor.predict(volume)
+    assert raised.value.__cause__ is error
+    predictor.network = network  # the failed call released the predictor's lock
+    assert dice(predictor.predict(volume), volume.array > THRESHOLD_HU) > 0.93
+
+
+def test_keyboard_interrupt_is_not_turned_into_a_bundle_error(threshold_bundle):
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    predictor.network = Raising(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        predictor.predict(phantom_volume()[0])
+
+
+def test_app_reports_a_failing_bundle_as_one_error_line(tmp_path):
+    bundle = edited_bundle(tmp_path / "four_channels", lambda c: c["network_def"].update(in_channels=4),
+                           weights=torch.nn.Conv3d(4, 2, 1))
+    phantom = make_phantom(shape=(16, 32, 32), spacing=(3.0, 2.0, 2.0), seed=3)
+    write_ct_series(phantom.hu, tmp_path / "study", SeriesGeometry(pixel_spacing=(2.0, 2.0), slice_spacing=3.0))
+    completed = run_app("-i", tmp_path / "study", "-o", tmp_path / "out", "-m", bundle)
+    assert completed.returncode == 2, completed.stderr
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, completed.stderr
+    assert re.fullmatch(r"error: bundle four_channels: network/inferer \(SlidingWindowInferer\) failed on the input "
+                        r"volume of shape \(16, 32, 32\) \(slice, row, column\): RuntimeError: .*to have 4 channels, "
+                        r"but got 1 channels instead", errors[0]), errors[0]
+    assert "Traceback" not in completed.stderr

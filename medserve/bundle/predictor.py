@@ -5,12 +5,19 @@ before parsing: file loading and saving transforms are removed (the volume arriv
 in memory) and `bundle_root`/`device` are set. The volume is fed as a MetaTensor whose affine is its real RAS
 affine, exactly what `LoadImaged` would have produced from a file, so the bundle's orientation and spacing
 transforms, and `Invertd` in its postprocessing, bring the prediction back into the source geometry.
+
+What a user can get wrong is a BundleError: a device this machine lacks (checked when the predictor is created),
+and any failure of the bundle's own preprocessing, network/inferer or postprocessing on a volume (named with
+the stage, the volume's shape and the original error). `as_volume` takes the stock SDK's Image as input too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +42,113 @@ _REMOVED_NETWORK_ARGUMENTS = {"SwinUNETR": ("img_size",)}
 # monai.bundle's component locator iterates sys.modules; an import in another thread (a server loading bundles
 # while serving) makes that fail with "dictionary changed size during iteration". The parse is pure: retry it.
 _IMPORT_RACE_ATTEMPTS = 5
+_LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
+# How much of a failing component's error text goes into the one-line message (the chained error keeps it all).
+_CAUSE_CHARACTERS = 500
+# MONAI's Compose wraps a transform's error in RuntimeError("applying transform <its repr>") from the original.
+_MONAI_TRANSFORM_FAILURE = re.compile(r"applying transform <?([\w.]+)")
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def available_devices() -> list[str]:
+    """The torch devices this process can run a bundle on: cpu, then cuda:0..n-1 and mps when present."""
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """`device` as a torch.device this machine has (None: the default); BundleError naming what is available."""
+    if device is None:
+        return default_device()
+    available = ", ".join(available_devices())
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise BundleError(f"device {str(device)!r} is not a torch device name (e.g. cpu, cuda, cuda:0); "
+                          f"available here: {available}") from None
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type == "mps":
+        present = torch.backends.mps.is_available() and resolved.index in (None, 0)
+    else:  # cuda and torch's other accelerator backends (xpu, ...) expose is_available() and device_count()
+        backend = getattr(torch, resolved.type, None)
+        is_available = getattr(backend, "is_available", None)
+        device_count = getattr(backend, "device_count", None)
+        present = (callable(is_available) and callable(device_count) and bool(is_available())
+                   and (resolved.index is None or resolved.index < device_count()))
+    if not present:
+        raise BundleError(f"device {str(device)!r} is not available on this machine; available here: {available}")
+    return resolved
+
+
+def as_volume(value: Any) -> hd.Volume:
+    """The input of bundle inference as a highdicom.Volume: a Volume as it is, or a stock SDK Image converted.
+
+    A `monai.deploy.core.Image` from the stock DICOMSeriesToVolumeOperator holds the voxels as a (slice, row,
+    column) ("DHW") array, the same axis order as our volumes, and the geometry as metadata: `affine` with
+    `space` ("RAS" by default, "LPS" with affine_lps_to_ras=False), `dicom_affine_transform` (LPS) and
+    `nifti_affine_transform` (RAS). Those affines index voxels in the reverse order, (column, row, slice), as
+    NIfTI and MONAI's readers do; here they become an LPS affine of (slice, row, column) indices. The SDK scales
+    the column axis by PixelSpacing[0] and the row axis by PixelSpacing[1], the reverse of DICOM's meaning
+    (PixelSpacing is row spacing, then column spacing); where the affine shows exactly that, the two in-plane
+    axes are rebuilt from the direction cosines and the right spacings, so a series with non-square pixels gets
+    its true geometry (square pixels: nothing changes).
+    """
+    if isinstance(value, hd.Volume):
+        return value
+    if not (callable(getattr(value, "asnumpy", None)) and callable(getattr(value, "metadata", None))):
+        raise BundleError(f"bundle inference input: expected a highdicom.Volume or a monai.deploy.core.Image; "
+                          f"got {type(value).__module__}.{type(value).__qualname__}")
+    array = np.asarray(value.asnumpy())
+    metadata = value.metadata() or {}
+    if array.ndim != 3:
+        raise BundleError(f"bundle inference input: the Image's array has shape {array.shape}; expected 3 "
+                          f"dimensions (slice, row, column)")
+    if metadata.get("affine") is not None:
+        affine, space = metadata["affine"], str(metadata.get("space") or "RAS").upper()
+    elif metadata.get("dicom_affine_transform") is not None:
+        affine, space = metadata["dicom_affine_transform"], "LPS"
+    elif metadata.get("nifti_affine_transform") is not None:
+        affine, space = metadata["nifti_affine_transform"], "RAS"
+    else:
+        raise BundleError("bundle inference input: the Image has no geometry; expected an 'affine' (with "
+                          "'space'), 'dicom_affine_transform' or 'nifti_affine_transform' in its metadata")
+    try:
+        affine = np.array(affine, dtype=np.float64).reshape(4, 4)
+    except (TypeError, ValueError):
+        raise BundleError(f"bundle inference input: the Image's {space} affine is not a 4x4 matrix") from None
+    if space not in ("RAS", "LPS"):
+        raise BundleError(f"bundle inference input: the Image's metadata 'space' is {space!r}; expected RAS or LPS")
+    lps = (_LPS_TO_RAS @ affine if space == "RAS" else affine)[:, [2, 1, 0, 3]]
+    _correct_sdk_pixel_spacing(lps, metadata)
+    try:
+        return hd.Volume(array=array, affine=lps, coordinate_system="PATIENT")
+    except (TypeError, ValueError) as error:
+        raise BundleError(f"bundle inference input: the Image's geometry does not form a volume ({error})") from error
+
+
+def _correct_sdk_pixel_spacing(lps: np.ndarray, metadata: dict[str, Any]) -> None:
+    """Undo the SDK's swapped in-plane spacings in `lps` (an LPS affine of (slice, row, column)), in place."""
+    try:
+        along_row = np.asarray(metadata["row_direction_cosine"], dtype=np.float64)  # ImageOrientationPatient[:3]
+        along_column = np.asarray(metadata["col_direction_cosine"], dtype=np.float64)  # [3:]
+        row_spacing = float(metadata["row_pixel_spacing"])  # PixelSpacing[0]: between rows
+        column_spacing = float(metadata["col_pixel_spacing"])  # PixelSpacing[1]: between columns
+    except (KeyError, TypeError, ValueError):
+        return
+    if along_row.shape != (3,) or along_column.shape != (3,):
+        return
+    if (np.allclose(lps[:3, 2], along_row * row_spacing, atol=1e-6)
+            and np.allclose(lps[:3, 1], along_column * column_spacing, atol=1e-6)):
+        lps[:3, 2] = along_row * column_spacing
+        lps[:3, 1] = along_column * row_spacing
 
 
 class BundlePredictor:
@@ -76,9 +186,12 @@ class BundlePredictor:
 
     @classmethod
     def from_dir(cls, path: Path | str, device: str | torch.device | None = None) -> BundlePredictor:
-        """Load the bundle at `path` on `device` (default: CUDA when available, else CPU)."""
+        """Load the bundle at `path` on `device` (default: CUDA when available, else CPU).
+
+        A device this machine does not have is refused (BundleError) before anything is read.
+        """
+        device = resolve_device(device)
         layout = BundleLayout.find(path)
-        device = torch.device(device) if device is not None else default_device()
         for attempt in range(_IMPORT_RACE_ATTEMPTS):
             try:
                 parser = _parse_config(layout, device)
@@ -107,14 +220,49 @@ class BundlePredictor:
         return self.inferer(batch.to(self.device), self.network)
 
     def predict(self, volume: hd.Volume) -> np.ndarray:
-        """Label map (uint16, same (slice, row, column) shape and geometry as `volume.array`)."""
+        """Label map (uint16, same (slice, row, column) shape and geometry as `volume.array`).
+
+        A failure of the bundle's own preprocessing, network/inferer or postprocessing on this volume is a
+        BundleError naming the bundle, the stage, the volume's shape and the original error (chained).
+        """
+        shape = tuple(volume.array.shape)
+        if len(shape) != 3:
+            raise BundleError(f"bundle {self.name}: input volume has shape {shape}; expected 3 dimensions "
+                              f"(slice, row, column)")
         with self._lock:
-            data = self.preprocessing({self.image_key: self._as_loaded_image(volume)})
-            image = data[self.image_key]
-            data[self.output_key] = self.infer_tensor(image.unsqueeze(0))[0].to("cpu")
+            with self._stage("preprocessing", shape):
+                data = self.preprocessing({self.image_key: self._as_loaded_image(volume)})
+                image = data[self.image_key]
+            with self._stage(f"network/inferer ({type(self.inferer).__name__})", shape):
+                data[self.output_key] = self.infer_tensor(image.unsqueeze(0))[0].to("cpu")
             if self.postprocessing is not None:
-                data = self.postprocessing(data)
-        return self._label_map(data[self.output_key], volume.array.shape)
+                with self._stage("postprocessing", shape):
+                    data = self.postprocessing(data)
+        return self._label_map(data[self.output_key], shape)
+
+    @contextlib.contextmanager
+    def _stage(self, stage: str, shape: tuple[int, ...]) -> Iterator[None]:
+        """Turn an error of the bundle's components into a one-line BundleError; out of memory says so.
+
+        Only Exception is caught: KeyboardInterrupt and SystemExit pass through untouched.
+        """
+        try:
+            yield
+        except BundleError:
+            raise
+        except Exception as error:  # torch and MONAI components raise any type
+            where = f"bundle {self.name}: {stage} failed on the input volume of shape {shape} (slice, row, column)"
+            memory = _out_of_memory(error)
+            if memory == "gpu":
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()  # leave the device usable for the next, smaller, request
+                raise BundleError(f"{where}: out of GPU memory on {self.device} ({_cause(error)}); free GPU "
+                                  f"memory, lower the inferer's sw_batch_size/roi_size, or use device cpu") \
+                    from error
+            if memory == "host":
+                raise BundleError(f"{where}: out of host memory ({_cause(error)}); use a machine with more "
+                                  f"memory or a smaller volume") from error
+            raise BundleError(f"{where}: {_cause(error)}") from error
 
     def _as_loaded_image(self, volume: hd.Volume) -> MetaTensor:
         """The volume as LoadImaged gives it: (X, Y, Z) = (column, row, slice) with a RAS affine."""
@@ -148,6 +296,40 @@ class BundlePredictor:
             raise BundleError(f"bundle {self.name}: label values {values.min()}..{values.max()} are outside "
                               f"0..{MAX_LABEL}")
         return np.rint(values).astype(np.uint16)
+
+
+def _error_chain(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return chain
+
+
+def _out_of_memory(error: BaseException) -> str | None:
+    """'gpu' or 'host' when `error` (or what it wraps) is an allocation failure, else None."""
+    for link in _error_chain(error):
+        text = str(link)
+        if isinstance(link, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in text:
+            return "gpu"
+        if isinstance(link, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in text:
+            return "host"
+    return None
+
+
+def _cause(error: BaseException) -> str:
+    """One line: the innermost error's type and text, with the MONAI transform it happened in."""
+    chain = _error_chain(error)
+    transforms = [m.group(1).rsplit(".", 1)[-1] for link in chain
+                  if (m := _MONAI_TRANSFORM_FAILURE.match(str(link)))]
+    root = chain[-1]
+    text = root.args[0] if isinstance(root, KeyError) and len(root.args) == 1 else str(root)
+    text = " ".join(str(text).split())
+    if len(text) > _CAUSE_CHARACTERS:
+        text = text[:_CAUSE_CHARACTERS] + "..."
+    described = f"{type(root).__name__}: {text}" if text else type(root).__name__
+    return f"in {transforms[-1]}: {described}" if transforms else described
 
 
 def _is_import_race(error: BaseException | None) -> bool:
