@@ -1,32 +1,92 @@
-"""Input errors inside a Holoscan graph become one clear message and a non-zero exit, not a traceback.
+"""Failures inside a Holoscan graph become one clear message and a non-zero exit, not a traceback.
 
-An operator's compute wrapped with `reports_failures` records a MedserveError on its fragment (the
-application) and emits nothing, so downstream operators never run on partial data; the app's entry point then
-prints the message and exits non-zero.
+An operator's compute wrapped with `reports_failures` records the first failure on its fragment (the
+application), emits nothing and stops the fragment, so downstream operators never run on partial data and
+operators waiting for the failed one's output do not wait forever; the app's entry point then
+prints the message, removes the files this run wrote, and exits non-zero. A MedserveError is the user's input
+(exit 2); anything else is a fault of ours or of a library (exit 1), reported with the operator's name and kept
+with its traceback for the debug log. Left to Holoscan, either would be logged as a multi-line error and then
+re-raised out of `Application.run()`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from medserve.errors import MedserveError
 
-FAILURE_ATTRIBUTE = "medserve_failure"
+log = logging.getLogger("medserve.app")
+
+_RUN_ATTRIBUTE = "medserve_run"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The first error of a run, and where it was raised ("operator NAME", or "the application")."""
+
+    where: str
+    error: BaseException
+
+    @property
+    def is_input_error(self) -> bool:
+        return isinstance(self.error, MedserveError)
+
+    @property
+    def exit_status(self) -> int:
+        return 2 if self.is_input_error else 1
+
+    def message(self) -> str:
+        if self.is_input_error:
+            return str(self.error)
+        return (f"internal error in {self.where}: {type(self.error).__name__}: {self.error} "
+                f"(run with --log-level DEBUG for the traceback)")
+
+
+@dataclass
+class RunRecord:
+    """What one run of an app has done so far: the first failure, and the output files written."""
+
+    failure: Failure | None = None
+    outputs: list[Path] = field(default_factory=list)
+
+    def remove_outputs(self) -> None:
+        """Outputs of a failed run must not be left as if the run had completed."""
+        for path in self.outputs:
+            path.unlink(missing_ok=True)
+        self.outputs.clear()
+
+
+def run_record(fragment: Any) -> RunRecord:
+    record = getattr(fragment, _RUN_ATTRIBUTE, None)
+    if record is None:
+        record = RunRecord()
+        setattr(fragment, _RUN_ATTRIBUTE, record)
+    return record
 
 
 def reports_failures(compute: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(compute)
     def wrapper(self: Any, op_input: Any, op_output: Any, context: Any) -> None:
-        if getattr(self.fragment, FAILURE_ATTRIBUTE, None) is not None:
+        record = run_record(self.fragment)
+        if record.failure is not None:
             return
         try:
             compute(self, op_input, op_output, context)
-        except MedserveError as error:
-            setattr(self.fragment, FAILURE_ATTRIBUTE, error)
+        except Exception as error:  # noqa: BLE001 - every failure ends the run with a message; see module doc
+            record.failure = Failure(where=f"operator {self.name}", error=error)
+            if not isinstance(error, MedserveError):
+                log.debug("operator %s failed", self.name, exc_info=error)
+            # Operators still holding messages (a writer beside the failed one) would otherwise wait forever.
+            self.fragment.stop_execution()
 
     return wrapper
 
 
-def failure_of(application: Any) -> MedserveError | None:
-    return getattr(application, FAILURE_ATTRIBUTE, None)
+def records_output(fragment: Any, path: Path) -> Path:
+    """Note a file written by this run (removed again if the run fails later)."""
+    run_record(fragment).outputs.append(path)
+    return path

@@ -8,7 +8,7 @@ from monai.deploy.core import Fragment, Operator, OperatorSpec
 
 from medserve.pipeline import NIFTI_NAME
 from medserve.writers.nifti import write_nifti
-from operators.failures import reports_failures
+from operators.failures import records_output, reports_failures
 
 
 class NiftiWriterOperator(Operator):
@@ -35,4 +35,4 @@ class NiftiWriterOperator(Operator):
     def compute(self, op_input, op_output, context):
         self.output_folder.mkdir(parents=True, exist_ok=True)
         path = write_nifti(op_input.receive("label_map"), op_input.receive("volume"), self.output_folder / NIFTI_NAME)
-        op_output.emit(path, "nifti_path")
+        op_output.emit(records_output(self.fragment, path), "nifti_path")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
+from monai.deploy.core import Fragment, Operator, OperatorSpec
 
 from medserve.pipeline import segment_counts, summary_line
 from operators.failures import reports_failures
@@ -16,22 +16,27 @@ class ResultSummaryOperator(Operator):
     Named inputs:
         label_map: the uint16 label map.
         seg_path: Path from SegWriterOperator.
-        nifti_path: optional Path from NiftiWriterOperator.
+        nifti_path: Path from NiftiWriterOperator; declared only when `nifti` is true, and then waited for.
     """
 
-    def __init__(self, fragment: Fragment, *args, labels: dict[int, str], started: float, **kwargs):
+    def __init__(self, fragment: Fragment, *args, labels: dict[int, str], started: float, nifti: bool = True,
+                 **kwargs):
         self.labels = labels
         self.started = started
+        self.nifti = nifti
         super().__init__(fragment, *args, **kwargs)
 
     def setup(self, spec: OperatorSpec):
         spec.input("label_map")
         spec.input("seg_path")
-        spec.input("nifti_path").condition(ConditionType.NONE)
+        if self.nifti:
+            spec.input("nifti_path")
 
     @reports_failures
     def compute(self, op_input, op_output, context):
         counts = segment_counts(op_input.receive("label_map"), self.labels)
-        paths = [p for p in (op_input.receive("seg_path"), op_input.receive("nifti_path")) if p is not None]
-        print(f"wrote {', '.join(str(p) for p in paths)}")
-        print(summary_line(counts, time.perf_counter() - self.started), flush=True)
+        paths = [op_input.receive("seg_path")]
+        if self.nifti:
+            paths.append(op_input.receive("nifti_path"))
+        summary = summary_line(counts, time.perf_counter() - self.started)
+        print(f"wrote {', '.join(str(p) for p in paths)}\n{summary}", flush=True)

@@ -9,7 +9,7 @@ from monai.deploy.core import Fragment, Operator, OperatorSpec
 from medserve.bundle.predictor import BundlePredictor
 from medserve.pipeline import SEG_NAME, segmentation_of
 from medserve.writers.seg import write_seg
-from operators.failures import reports_failures
+from operators.failures import records_output, reports_failures
 
 
 class SegWriterOperator(Operator):
@@ -41,4 +41,5 @@ class SegWriterOperator(Operator):
         source = op_input.receive("source")
         self.output_folder.mkdir(parents=True, exist_ok=True)
         segmentation = segmentation_of(source, label_map, self.predictor)
-        op_output.emit(write_seg(segmentation, self.output_folder / SEG_NAME), "seg_path")
+        path = write_seg(segmentation, self.output_folder / SEG_NAME)
+        op_output.emit(records_output(self.fragment, path), "seg_path")

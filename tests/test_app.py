@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import highdicom as hd
@@ -19,7 +22,7 @@ from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import ras_affine, series_to_volume
 from medserve.pipeline import run_study
-from tests.conftest import DEMO_BUNDLE, dciodvfy_errors, run_app
+from tests.conftest import APP, DEMO_BUNDLE, REPO, dciodvfy_errors, run_app
 
 
 @pytest.fixture(scope="module")
@@ -69,22 +72,32 @@ def test_pipeline_gives_the_same_pixels_as_the_app(demo_run, demo_study, tmp_pat
     assert result.segments["spleen"] > 0
 
 
-def test_stock_sdk_operators_read_our_selection(demo_study):
-    """Interop: the stock series-to-volume operator consumes our selector's SDK-typed output unchanged."""
+def test_stock_sdk_operators_read_our_selection(tmp_path):
+    """Interop: the stock series-to-volume operator consumes our selector's SDK-typed output unchanged, and our
+    Image carries the stock metadata keys with the same values. Non-square pixels and unequal slice spacing, so
+    that a swapped spacing or axis shows."""
     from monai.deploy.core import Fragment
     from monai.deploy.operators.dicom_series_to_volume_operator import DICOMSeriesToVolumeOperator
 
+    from medserve.demo.study import SeriesGeometry, write_ct_series
     from operators.series_selector import as_sdk_selection
     from operators.series_to_volume import sdk_image
 
-    selected = select_series(index_folder(demo_study[0]))
+    hu = np.random.default_rng(3).integers(-1000, 1000, size=(6, 20, 24)).astype(np.float32)
+    geometry = SeriesGeometry(pixel_spacing=(0.7, 0.9), slice_spacing=2.5)
+    write_ct_series(hu, tmp_path, geometry)
+    selected = select_series(index_folder(tmp_path))
     stock = DICOMSeriesToVolumeOperator(Fragment(), name="stock").convert_to_image(as_sdk_selection(selected))
     ours = series_to_volume(selected[0].series)
     np.testing.assert_allclose(stock.asnumpy(), ours.array, atol=1e-3)
-    image = sdk_image(ours, selected[0].series, selected[0].name)
-    for key in ("row_pixel_spacing", "col_pixel_spacing", "depth_pixel_spacing"):
-        assert image.metadata()[key] == pytest.approx(stock.metadata()[key])
-    np.testing.assert_allclose(image.metadata()["affine"], stock.metadata()["affine"], atol=1e-4)
+    np.testing.assert_allclose(ours.affine, geometry.affine(), atol=1e-6)
+    metadata = sdk_image(ours, selected[0].series, selected[0].name).metadata()
+    assert (metadata["row_pixel_spacing"], metadata["col_pixel_spacing"]) == pytest.approx((0.7, 0.9))
+    for key in ("row_pixel_spacing", "col_pixel_spacing", "depth_pixel_spacing", "row_direction_cosine",
+                "col_direction_cosine", "depth_direction_cosine"):
+        np.testing.assert_allclose(metadata[key], stock.metadata()[key], atol=1e-6, err_msg=key)
+    # The affine is the true geometry: the stock's scales the in-plane axes with each other's spacing.
+    np.testing.assert_allclose(metadata["affine"], ras_affine(ours), atol=1e-6)
 
 
 def _bad_bundle(tmp_path: Path, damage: str) -> Path:
@@ -140,7 +153,48 @@ def test_bad_input_exits_non_zero_with_a_clear_message_and_no_output(tmp_path, d
     completed = run_app("-i", study, "-o", out, "-m", bundle, *extra)
     assert completed.returncode != 0
     assert "Traceback" not in completed.stderr + completed.stdout
-    import re
-
     assert re.search(message, completed.stderr), completed.stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, demo_study):
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    completed = run_app("-i", demo_study[0], "-o", out, "-m", DEMO_BUNDLE)
+    assert completed.returncode == 2
+    assert re.search(r"error: output folder .*out: cannot be created", completed.stderr), completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert out.read_text() == "not a folder"
+
+
+# Runs the app's main() with one function replaced by one that raises: a fault of ours, not of the input.
+_BROKEN_APP = """
+import importlib, importlib.util, sys
+module_name, attribute, app_path = sys.argv[1:4]
+spec = importlib.util.spec_from_file_location("bundle_seg_app", app_path)
+app = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(app)
+def broken(*args, **kwargs):
+    raise RuntimeError("disk on fire")
+setattr(importlib.import_module(module_name), attribute, broken)
+sys.exit(app.main(sys.argv[4:]))
+"""
+
+
+@pytest.mark.parametrize("module_name,attribute,operator", [
+    ("operators.seg_writer", "write_seg", "seg_writer"),  # fails beside the NIfTI writer, which may finish
+    ("operators.result_summary", "summary_line", "summary"),  # fails after both outputs are written
+])
+def test_an_internal_failure_is_one_line_exit_1_and_nothing_written_is_left(tmp_path, demo_study, module_name,
+                                                                             attribute, operator):
+    driver = tmp_path / "broken_app.py"
+    driver.write_text(_BROKEN_APP)
+    out = tmp_path / "out"
+    command = (f"ulimit -s 32768; cd {REPO}; exec {sys.executable} {driver} {module_name} {attribute} {APP} "
+               f"-i {demo_study[0]} -o {out} -m {DEMO_BUNDLE} --device cpu")
+    completed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 1, completed.stderr
+    assert f"error: internal error in operator {operator}: RuntimeError: disk on fire" in completed.stderr
+    assert "Traceback" not in completed.stderr + completed.stdout
+    assert "wrote" not in completed.stdout
+    assert not out.exists()

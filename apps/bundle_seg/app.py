@@ -9,6 +9,8 @@ is a bundle folder, or a folder holding exactly one bundle folder (a MAP's /opt/
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import time
@@ -22,7 +24,9 @@ from medserve.errors import BundleError, MedserveError
 from medserve.logs import configure_logging
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, ResultSummaryOperator,
                        SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
-from operators.failures import failure_of
+from operators.failures import Failure, run_record
+
+log = logging.getLogger("medserve.app")
 
 _PATH_VARIABLES = {"input": "HOLOSCAN_INPUT_PATH", "output": "HOLOSCAN_OUTPUT_PATH", "model": "HOLOSCAN_MODEL_PATH"}
 
@@ -62,7 +66,8 @@ class BundleSegApp(Application):
         to_volume = SeriesToVolumeOperator(self, name="series_to_volume")
         inference = BundleInferenceOperator(self, predictor=predictor, name="bundle_inference")
         seg_writer = SegWriterOperator(self, output_folder=output_path, predictor=predictor, name="seg_writer")
-        summary = ResultSummaryOperator(self, labels=predictor.labels, started=self.started, name="summary")
+        summary = ResultSummaryOperator(self, labels=predictor.labels, started=self.started, nifti=self.nifti,
+                                        name="summary")
 
         self.add_flow(loader, selector, {("study_index", "study_index")})
         self.add_flow(selector, to_volume, {("selected_series", "selected_series")})
@@ -104,20 +109,34 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(os.environ["HOLOSCAN_INPUT_PATH"]).exists():
         print(f"error: input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist", file=sys.stderr)
         return 2
+    output = Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
+    output_existed = output.is_dir()
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        print(f"error: output folder {output}: cannot be created ({error.strerror or error}); expected a folder "
+              f"path that is writable", file=sys.stderr)
+        return 2
     # The SDK reads the paths from the environment; its own argv parser must not see our flags.
     sdk_log_level = {0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
-    app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules, device=args.device, nifti=args.nifti,
-                       verbosity=verbosity)
+    app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules, device=args.device,
+                       nifti=args.nifti, verbosity=verbosity)
+    record = run_record(app)
     try:
         app.run()
     except MedserveError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    failure = failure_of(app)
-    if failure is not None:
-        print(f"error: {failure}", file=sys.stderr)
-        return 2
-    return 0
+        record.failure = record.failure or Failure(where="the application", error=error)
+    except Exception as error:  # noqa: BLE001 - a fault of ours or of a library: one line, traceback on DEBUG
+        log.debug("application failed", exc_info=error)
+        record.failure = record.failure or Failure(where="the application", error=error)
+    if record.failure is None:
+        return 0
+    record.remove_outputs()
+    if not output_existed:
+        with contextlib.suppress(OSError):  # only if still empty
+            output.rmdir()
+    print(f"error: {record.failure.message()}", file=sys.stderr)
+    return record.failure.exit_status
 
 
 if __name__ == "__main__":
