@@ -11,7 +11,7 @@ import pydicom
 import pytest
 from pydicom.data import get_testdata_file
 from pydicom.encaps import encapsulate, generate_frames
-from pydicom.uid import JPEG2000Lossless, RLELossless
+from pydicom.uid import DeflatedExplicitVRLittleEndian, JPEG2000Lossless, RLELossless
 
 import medserve.dicom.index as index_module
 from medserve.demo.phantom import make_phantom
@@ -98,6 +98,16 @@ def test_compressed_series_decode_to_the_same_volume(tmp_path, phantom, syntax):
     np.testing.assert_allclose(volume_of(tmp_path).array, phantom.hu, atol=0.5)
 
 
+def test_deflated_series_decodes_to_the_same_volume(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.file_meta.TransferSyntaxUID = DeflatedExplicitVRLittleEndian
+        dataset.save_as(path, enforce_file_format=True)
+    assert b"\xe0\x7f\x10\x00" not in written.paths[0].read_bytes()  # the Pixel Data tag is deflated too
+    np.testing.assert_allclose(volume_of(tmp_path).array, phantom.hu, atol=0.5)
+
+
 @pytest.mark.parametrize("name", ["JPEG-LL.dcm", "JPGLosslessP14SV1_1s_1f_8b.dcm", "MR2_J2KI.dcm",
                                   "MR2_J2KR.dcm", "MR_small_jpeg_ls_lossless.dcm", "MR_small_RLE.dcm",
                                   "CT_small.dcm", "MR_small_bigendian.dcm"])
@@ -155,6 +165,26 @@ def test_enhanced_multiframe_ct_gives_the_same_volume(tmp_path, phantom):
     volume = series_to_volume(series)
     reference = volume_of(single)
     np.testing.assert_allclose(volume.match_geometry(reference).array, reference.array, atol=0.5)
+    # Slices ascend along the normal, as in volumes of single-frame series.
+    normal = np.cross(*np.asarray(enhanced.SharedFunctionalGroupsSequence[0].PlaneOrientationSequence[0]
+                                  .ImageOrientationPatient, dtype=float).reshape(2, 3))
+    assert volume.affine[:3, 0] @ normal > 0
+    np.testing.assert_allclose(volume.affine, reference.affine, atol=1e-4)
+
+
+def test_a_series_of_several_multiframe_objects_is_refused_with_the_reason(tmp_path, phantom):
+    single = tmp_path / "single"
+    write_ct_series(phantom.hu, single)
+    datasets = [pydicom.dcmread(p) for p in sorted(single.iterdir())]
+    series_uid = pydicom.uid.generate_uid()
+    multi = tmp_path / "multi"
+    multi.mkdir()
+    for number, half in enumerate((datasets[:len(datasets) // 2], datasets[len(datasets) // 2:]), start=1):
+        hd.legacy.LegacyConvertedEnhancedCTImage(
+            legacy_datasets=half, series_instance_uid=series_uid, series_number=3,
+            sop_instance_uid=pydicom.uid.generate_uid(), instance_number=number).save_as(multi / f"part{number}.dcm")
+    with pytest.raises(VolumeError, match=r"2 instances of which 2 are multi-frame .*expected one multi-frame"):
+        series_to_volume(index_folder(multi).all_series[0])
 
 
 def _write(tmp_path, phantom, **overrides):

@@ -34,7 +34,9 @@ from medserve.errors import VolumeError
 
 log = logging.getLogger("medserve.dicom.volume")
 
-_NATIVE_LITTLE_ENDIAN = {ImplicitVRLittleEndian, ExplicitVRLittleEndian, "1.2.840.10008.1.2.1.99"}
+# Read from the stored offset. Deflated Explicit VR (1.2.840.10008.1.2.1.99) is not here: its Pixel Data is
+# inside the deflated stream, so pydicom reads it whole.
+_NATIVE_LITTLE_ENDIAN = {ImplicitVRLittleEndian, ExplicitVRLittleEndian}
 _ORIENTATION_TOLERANCE = 1e-4
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
@@ -110,6 +112,11 @@ def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Ins
     """Instances in volume order and the slice spacing, after checking the series' geometry."""
     if series.is_multiframe:
         return list(series.instances), 0.0
+    multiframe = [instance for instance in series.instances if instance.number_of_frames > 1]
+    if multiframe:
+        raise VolumeError(f"series {series.series_uid} has {len(series.instances)} instances of which "
+                          f"{len(multiframe)} are multi-frame (e.g. {multiframe[0].path}); expected one "
+                          f"multi-frame (Enhanced) object or single-frame slices")
     positions, orientation = _check_geometry_attributes(series.instances)
     order, spacing = _slice_order(series.instances, positions, orientation, tolerance)
     return [series.instances[i] for i in order], spacing
@@ -324,4 +331,4 @@ def _multiframe_volume(instance: Instance) -> hd.Volume:
         raise VolumeError(f"{instance.path}: multi-frame image does not form a regular volume ({error})") from error
     if volume.array.ndim != 3:
         raise VolumeError(f"{instance.path}: multi-frame image has {volume.array.ndim} dimensions; expected 3")
-    return volume
+    return volume.ensure_handedness(_ALONG_NORMAL, flip_axis=0)  # slices ascending along the normal, as ours
