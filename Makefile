@@ -19,14 +19,15 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-# System tools the tests use (DICOM validator, containers, registry, Orthanc). Needs root; .ci/run calls it.
+# System tools the tests use (DICOM validator, containers, registry, Orthanc): installs the missing ones from
+# Debian (as root, or through sudo); does nothing when all are there.
 system-deps:
 	bash .ci/system-deps
 
 demo: setup
 	$(RUN) $(BIN)/python -m medserve.demo
 
-test: setup
+test: setup system-deps
 	$(RUN) $(BIN)/python -m pytest -q
 
 bench: setup
