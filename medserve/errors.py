@@ -25,5 +25,13 @@ class BundleError(MedserveError):
     """The MONAI bundle (layout, config, weights) cannot be loaded."""
 
 
+class InferenceError(BundleError):
+    """A loaded bundle's preprocessing, network or postprocessing failed on one input."""
+
+
+class InferenceOutOfMemory(InferenceError):
+    """Inference ran out of GPU or host memory: the same input may succeed later, smaller, or elsewhere."""
+
+
 class PackagingError(MedserveError):
     """A MAP cannot be built, pushed, inspected or run (bad app dir, app.yaml, models, registry, engine)."""

@@ -16,7 +16,7 @@ from monai.bundle import ConfigParser
 from medserve.bundle import BundlePredictor
 from medserve.demo.phantom import dice, make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
-from medserve.errors import BundleError
+from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
 from tests.conftest import MODEL_ZOO, THRESHOLD_HU, make_threshold_bundle, run_app
 from tests.test_volume import ORIENTATIONS
 
@@ -237,8 +237,9 @@ def test_network_that_expects_other_channels_fails_naming_bundle_stage_shape_and
                            weights=torch.nn.Conv3d(4, 2, 1))
     predictor = BundlePredictor.from_dir(bundle, device="cpu")
     volume, _ = phantom_volume()
-    with pytest.raises(BundleError) as raised:
+    with pytest.raises(InferenceError) as raised:
         predictor.predict(volume)
+    assert not isinstance(raised.value, InferenceOutOfMemory)
     message = str(raised.value)
     assert re.fullmatch(r"bundle four_channels: network/inferer \(SlidingWindowInferer\) failed on the input volume "
                         r"of shape \(24, 48, 48\) \(slice, row, column\): RuntimeError: .*expected input\[.*\] to "
@@ -289,9 +290,9 @@ def test_out_of_memory_says_so_and_the_predictor_stays_usable(threshold_bundle, 
     network = predictor.network
     volume, _ = phantom_volume()
     predictor.network = Raising(error)
-    with pytest.raises(BundleError, match=r"^bundle threshold: network/inferer \(SlidingWindowInferer\) failed on "
-                                          r"the input volume of shape \(24, 48, 48\) \(slice, row, column\): "
-                                          + expected) as raised:
+    with pytest.raises(InferenceOutOfMemory, match=r"^bundle threshold: network/inferer \(SlidingWindowInferer\) "
+                                                   r"failed on the input volume of shape \(24, 48, 48\) "
+                                                   r"\(slice, row, column\): " + expected) as raised:
         predictor.predict(volume)
     assert raised.value.__cause__ is error
     predictor.network = network  # the failed call released the predictor's lock

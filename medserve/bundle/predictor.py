@@ -30,7 +30,7 @@ from monai.data import MetaTensor
 
 from medserve.bundle.layout import BundleLayout
 from medserve.dicom.volume import ras_affine
-from medserve.errors import BundleError
+from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
 
 log = logging.getLogger("medserve.bundle")
 
@@ -256,13 +256,13 @@ class BundlePredictor:
             if memory == "gpu":
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # leave the device usable for the next, smaller, request
-                raise BundleError(f"{where}: out of GPU memory on {self.device} ({_cause(error)}); free GPU "
+                raise InferenceOutOfMemory(f"{where}: out of GPU memory on {self.device} ({_cause(error)}); free GPU "
                                   f"memory, lower the inferer's sw_batch_size/roi_size, or use device cpu") \
                     from error
             if memory == "host":
-                raise BundleError(f"{where}: out of host memory ({_cause(error)}); use a machine with more "
+                raise InferenceOutOfMemory(f"{where}: out of host memory ({_cause(error)}); use a machine with more "
                                   f"memory or a smaller volume") from error
-            raise BundleError(f"{where}: {_cause(error)}") from error
+            raise InferenceError(f"{where}: {_cause(error)}") from error
 
     def _as_loaded_image(self, volume: hd.Volume) -> MetaTensor:
         """The volume as LoadImaged gives it: (X, Y, Z) = (column, row, slice) with a RAS affine."""

@@ -8,7 +8,8 @@ import logging
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from medserve.errors import BundleError, DicomInputError, MedserveError, SelectionError, VolumeError
+from medserve.errors import (BundleError, DicomInputError, InferenceError, InferenceOutOfMemory, MedserveError,
+                             SelectionError, VolumeError)
 
 log = logging.getLogger("medserve.server.errors")
 
@@ -27,11 +28,14 @@ class ApiError(Exception):
         return JSONResponse({"error": self.code, "message": self.message}, self.status, headers=self.headers)
 
 
-# Core errors are caused by the input (or by a bundle the operator dropped in); map each to a 4xx.
+# Core errors are caused by the input (or by a bundle the operator dropped in); map each to a 4xx, except running
+# out of memory, which the same request may not meet later (503). The first matching class wins.
 _CORE_CODES: list[tuple[type[MedserveError], int, str]] = [
     (DicomInputError, 400, "bad_dicom"),
     (SelectionError, 422, "no_matching_series"),
     (VolumeError, 422, "bad_volume"),
+    (InferenceOutOfMemory, 503, "out_of_memory"),
+    (InferenceError, 422, "inference_failed"),
     (BundleError, 409, "model_failed"),
 ]
 

@@ -133,3 +133,26 @@ def test_bad_inputs_give_clear_4xx(demo_server, demo_study: Path) -> None:
     check(httpx.post(url, content=b"x", headers={"Content-Type": "text/plain"}), 415)
     # the server still serves after all of that
     assert httpx.post(url, files=multipart_files(demo_study), timeout=300).status_code == 200
+
+
+def test_a_bundle_that_fails_on_the_study_gives_422_inference_failed(make_server, demo_study: Path,
+                                                                     tmp_path: Path) -> None:
+    """The model loads; its network then refuses the one-channel CT (it expects four): the input's fault."""
+    import torch
+
+    from tests.conftest import make_threshold_bundle
+
+    server = make_server()
+    staged = make_threshold_bundle(tmp_path / "four_channels")
+    config_path = staged / "configs" / "inference.json"
+    config = json.loads(config_path.read_text())
+    config["network_def"]["in_channels"] = 4
+    config_path.write_text(json.dumps(config))
+    torch.save(torch.nn.Conv3d(4, 2, 1).state_dict(), staged / "models" / "model.pt")
+    add_bundle(server.config.store, "four_channels", staged)
+    server.store.wait_until("four_channels", ("loaded",), 60)
+    r = httpx.post(server.url + "/v1/models/four_channels/infer", files=multipart_files(demo_study), timeout=300)
+    assert r.status_code == 422, r.text
+    assert r.json()["error"] == "inference_failed"
+    assert "network/inferer (SlidingWindowInferer) failed on the input volume" in r.json()["message"]
+    assert server.store.entry("four_channels").state == "loaded"  # the model stays usable for other inputs
