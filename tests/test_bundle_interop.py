@@ -161,3 +161,30 @@ def test_a_volume_passes_through_unchanged():
 def test_unusable_inputs_are_refused(value, message):
     with pytest.raises(BundleError, match=rf"^bundle inference input: .*{message}"):
         as_volume(value)
+
+
+@pytest.mark.parametrize("orientation", ["axial", "oblique"])
+def test_the_stock_seg_writer_writes_our_label_map_onto_our_selection(tmp_path, threshold_bundle, orientation):
+    """Ours -> stock: our label map and our selector's SDK selection are what the stock
+    DICOMSegmentationWriterOperator takes; its SEG puts every label where our volume has it (files shuffled)."""
+    from monai.deploy.operators.dicom_seg_writer_operator import (DICOMSegmentationWriterOperator,
+                                                                   SegmentDescription)
+
+    from operators.series_selector import as_sdk_selection
+
+    folder = write_series(tmp_path / "series", orientation, NON_SQUARE, shape=(8, 24, 28))
+    selected = select_series(index_folder(folder))
+    volume = load_series(selected[0].series).volume
+    label_map = BundlePredictor.from_dir(threshold_bundle, device="cpu").predict(volume)
+    assert 0 < np.count_nonzero(label_map) < label_map.size
+    description = SegmentDescription(segment_label="dense", segmented_property_category=hd.sr.CodedConcept(
+        "91723000", "SCT", "Anatomical Structure"), segmented_property_type=hd.sr.CodedConcept(
+        "85756007", "SCT", "Tissue"), algorithm_name="threshold", algorithm_version="1")
+    out = tmp_path / "out"
+    writer = DICOMSegmentationWriterOperator(Fragment(), segment_descriptions=[description], output_folder=out,
+                                             name="stock_seg_writer")
+    writer.process_images(label_map, as_sdk_selection(selected), out)
+    seg = hd.seg.segread(next(out.glob("*.dcm")))
+    # Positions stored as decimal strings put oblique frames ~1e-5 mm off the exact grid.
+    back = seg.get_volume(combine_segments=True).match_geometry(volume, tol=1e-3)
+    np.testing.assert_array_equal(back.array, label_map)
