@@ -100,6 +100,30 @@ def test_stock_sdk_operators_read_our_selection(tmp_path):
     np.testing.assert_allclose(metadata["affine"], ras_affine(ours), atol=1e-6)
 
 
+def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_path, threshold_bundle):
+    """The pipeline (the server's path; the app's operators call the same functions) on one multi-frame object."""
+    from medserve.demo.phantom import make_phantom
+    from medserve.demo.study import write_ct_series
+
+    written = write_ct_series(make_phantom(shape=(10, 32, 36)).hu, tmp_path / "single", file_order_seed=1)
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=[pydicom.dcmread(p) for p in written.paths], series_instance_uid=pydicom.uid.generate_uid(),
+        series_number=4, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    (tmp_path / "multi").mkdir()
+    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    result = run_study(tmp_path / "multi", predictor, tmp_path / "out")
+    assert dciodvfy_errors(result.seg_path) == []
+    source = series_to_volume(select_series(index_folder(tmp_path / "multi"))[0].series)
+    label_map = predictor.predict(source)
+    assert 0 < np.count_nonzero(label_map) < label_map.size
+    seg = hd.seg.segread(result.seg_path)
+    assert seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence[0].ReferencedSOPInstanceUID == \
+        enhanced.SOPInstanceUID
+    back = seg.get_volume(combine_segments=True).match_geometry(source)
+    np.testing.assert_array_equal(back.array, label_map)
+
+
 def _bad_bundle(tmp_path: Path, damage: str) -> Path:
     bundle = tmp_path / "bundle"
     shutil.copytree(DEMO_BUNDLE, bundle)
