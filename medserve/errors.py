@@ -35,3 +35,7 @@ class InferenceOutOfMemory(InferenceError):
 
 class PackagingError(MedserveError):
     """A MAP cannot be built, pushed, inspected or run (bad app dir, app.yaml, models, registry, engine)."""
+
+
+class OutputError(MedserveError):
+    """A result file cannot be written (folder not writable, disk full); nothing partial is left under its name."""

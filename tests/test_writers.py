@@ -15,6 +15,8 @@ from medserve.demo.phantom import make_phantom
 from medserve.demo.study import Patient, SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.volume import load_series
+from medserve.errors import OutputError
+from medserve.writers.files import atomic_output
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, segment_concept, write_seg
 from tests.conftest import dciodvfy_errors
@@ -107,6 +109,9 @@ ANATOMY, ABNORMAL, OBJECT, TISSUE = ("91723000", "49755003", "260787004", "85756
     ("catheter", OBJECT, ("SCT", "19923001")),  # CID 7193
     ("central line", OBJECT, ("DCM", "112174")),
     ("adipose tissue", TISSUE, ("SCT", "55603005")),  # CID 7191 Fat
+    ("fat", TISSUE, ("SCT", "55603005")),  # by the code's meaning
+    ("bone", TISSUE, ("SCT", "3138006")),  # CID 7191 keys it BoneTissue, means Bone
+    ("muscle", TISSUE, ("SCT", "91727004")),
     ("background-ish nonsense", TISSUE, ("SCT", "85756007")),  # not a known concept: the generic one
     ("tumour core", TISSUE, ("SCT", "85756007")),
     ("label 7", TISSUE, ("SCT", "85756007")),
@@ -142,3 +147,17 @@ def test_cached_iod_lookup_answers_as_highdicom_does():
         assert cached(attribute, pydicom.uid.UID(sop_class), excluded) == uncached(attribute, sop_class, excluded)
     with pytest.raises(KeyError, match="No IOD found"):
         cached("PixelData", "1.2.3.4")
+
+
+@pytest.mark.parametrize("error,raised", [(OSError(28, "No space left on device"), OutputError),
+                                          (ValueError("bad value"), ValueError)])
+def test_a_failed_write_leaves_neither_the_file_nor_its_partial(tmp_path, error, raised):
+    target = tmp_path / "labels.nii.gz"
+    with pytest.raises(raised) as caught:
+        with atomic_output(target) as partial:
+            assert partial.name.endswith(".nii.gz")  # nibabel picks the format from the suffixes
+            partial.write_bytes(b"half a file")
+            raise error
+    if raised is OutputError:
+        assert str(caught.value) == f"cannot write {target}: No space left on device"
+    assert list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from medserve.errors import (BundleError, DicomInputError, InferenceError, InferenceOutOfMemory, MedserveError,
-                             SelectionError, VolumeError)
+                             OutputError, SelectionError, VolumeError)
 
 log = logging.getLogger("medserve.server.errors")
 
@@ -29,7 +29,8 @@ class ApiError(Exception):
 
 
 # Core errors are caused by the input (or by a bundle the operator dropped in); map each to a 4xx, except running
-# out of memory, which the same request may not meet later (503). The first matching class wins.
+# out of memory, which the same request may not meet later (503), and failing to write results into the server's
+# own data folder (500). The first matching class wins.
 _CORE_CODES: list[tuple[type[MedserveError], int, str]] = [
     (DicomInputError, 400, "bad_dicom"),
     (SelectionError, 422, "no_matching_series"),
@@ -37,6 +38,7 @@ _CORE_CODES: list[tuple[type[MedserveError], int, str]] = [
     (InferenceOutOfMemory, 503, "out_of_memory"),
     (InferenceError, 422, "inference_failed"),
     (BundleError, 409, "model_failed"),
+    (OutputError, 500, "output_failed"),
 ]
 
 

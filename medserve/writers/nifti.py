@@ -9,6 +9,8 @@ import nibabel as nib
 import numpy as np
 
 from medserve.dicom.volume import ras_affine
+from medserve.writers.files import atomic_output
+
 
 def write_nifti(label_map: np.ndarray, volume: hd.Volume, path: Path) -> Path:
     """Write `label_map` (same shape as `volume.array`) to `path` (.nii or .nii.gz) atomically."""
@@ -17,7 +19,6 @@ def write_nifti(label_map: np.ndarray, volume: hd.Volume, path: Path) -> Path:
     image.header.set_xyzt_units("mm")
     image.set_qform(image.affine, code=1)
     image.set_sform(image.affine, code=1)
-    partial = path.with_name(f".{path.name}.partial{''.join(path.suffixes)}")
-    nib.save(image, partial)
-    partial.replace(path)
+    with atomic_output(path) as partial:
+        nib.save(image, partial)
     return path

@@ -25,6 +25,7 @@ from pydicom.sr.coding import Code
 from pydicom.uid import generate_uid
 
 import medserve
+from medserve.writers.files import atomic_output
 
 _LATERALITY_WORDS = {"left", "right", "l", "r"}
 # DICOM PS3.16 CID 7150 (Segmentation Property Categories) and, for each category, the context group its
@@ -119,14 +120,20 @@ def _lookup_concept(keyword: str) -> tuple[Code, Code] | None:
 
 @functools.cache
 def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[str, str], tuple[Code, Code]]]:
-    """(category, type) of every concept in the type groups: by lower-cased keyword and by (scheme, code value)."""
+    """(category, type) of every concept in the type groups: by lower-cased keyword (then meaning, without spaces
+    or punctuation) and by (scheme, code value)."""
     by_keyword: dict[str, tuple[Code, Code]] = {}
     by_code: dict[tuple[str, str], tuple[Code, Code]] = {}
-    for category_keyword, cid in _CATEGORY_TYPE_GROUPS:
-        category = getattr(codes.cid7150, category_keyword)
-        for keyword, code in getattr(codes, f"cid{cid}").concepts.items():
+    groups = [(getattr(codes.cid7150, category), getattr(codes, f"cid{cid}").concepts)
+              for category, cid in _CATEGORY_TYPE_GROUPS]
+    for category, concepts in groups:
+        for keyword, code in concepts.items():
             by_keyword.setdefault(keyword.lower(), (category, code))
             by_code.setdefault((code.scheme_designator, code.value), (category, code))
+    # A code's meaning is a name too: CID 7191 keys Bone as "BoneTissue" but means "Bone".
+    for category, concepts in groups:
+        for code in concepts.values():
+            by_keyword.setdefault(re.sub(r"[^0-9a-z]+", "", code.meaning.lower()), (category, code))
     return by_keyword, by_code
 
 
@@ -192,7 +199,6 @@ def _with_type2_attributes(dataset: Dataset) -> Dataset:
 
 def write_seg(segmentation: hd.seg.Segmentation, path: Path) -> Path:
     """Save atomically: a reader never sees a half-written file under the final name."""
-    partial = path.with_name(f".{path.name}.partial")
-    segmentation.save_as(partial)
-    partial.replace(path)
+    with atomic_output(path) as partial:
+        segmentation.save_as(partial)
     return path
