@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import re
 import shutil
 import subprocess
@@ -191,18 +193,33 @@ def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, demo_
     assert out.read_text() == "not a folder"
 
 
-# Runs the app's main() with one function replaced by one that raises: a fault of ours, not of the input.
+# Runs the app's main() with one function replaced by one that raises: a fault of ours (RuntimeError), or the
+# environment's (OSError: the disk is full).
 _BROKEN_APP = """
-import importlib, importlib.util, sys
-module_name, attribute, app_path = sys.argv[1:4]
+import errno, importlib, importlib.util, sys
+module_name, attribute, kind, app_path = sys.argv[1:5]
 spec = importlib.util.spec_from_file_location("bundle_seg_app", app_path)
 app = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(app)
+owner = importlib.import_module(module_name)
+for name in attribute.split(".")[:-1]:
+    owner = getattr(owner, name)
 def broken(*args, **kwargs):
+    if kind == "OSError":
+        raise OSError(errno.ENOSPC, "No space left on device")
     raise RuntimeError("disk on fire")
-setattr(importlib.import_module(module_name), attribute, broken)
-sys.exit(app.main(sys.argv[4:]))
+setattr(owner, attribute.split(".")[-1], broken)
+sys.exit(app.main(sys.argv[5:]))
 """
+
+
+def run_broken_app(tmp_path: Path, folder: Path, module_name: str, attribute: str, kind: str,
+                   out: Path) -> subprocess.CompletedProcess:
+    driver = tmp_path / "broken_app.py"
+    driver.write_text(_BROKEN_APP)
+    command = (f"ulimit -s 32768; cd {REPO}; exec {sys.executable} {driver} {module_name} {attribute} {kind} {APP} "
+               f"-i {folder} -o {out} -m {DEMO_BUNDLE} --device cpu")
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("module_name,attribute,operator", [
@@ -211,14 +228,44 @@ sys.exit(app.main(sys.argv[4:]))
 ])
 def test_an_internal_failure_is_one_line_exit_1_and_nothing_written_is_left(tmp_path, demo_study, module_name,
                                                                              attribute, operator):
-    driver = tmp_path / "broken_app.py"
-    driver.write_text(_BROKEN_APP)
     out = tmp_path / "out"
-    command = (f"ulimit -s 32768; cd {REPO}; exec {sys.executable} {driver} {module_name} {attribute} {APP} "
-               f"-i {demo_study[0]} -o {out} -m {DEMO_BUNDLE} --device cpu")
-    completed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    completed = run_broken_app(tmp_path, demo_study[0], module_name, attribute, "RuntimeError", out)
     assert completed.returncode == 1, completed.stderr
     assert f"error: internal error in operator {operator}: RuntimeError: disk on fire" in completed.stderr
     assert "Traceback" not in completed.stderr + completed.stdout
     assert "wrote" not in completed.stdout
     assert not out.exists()
+
+
+def test_a_full_disk_is_one_line_naming_the_file_exit_2_and_nothing_is_left(tmp_path, demo_study):
+    out = tmp_path / "out"
+    completed = run_broken_app(tmp_path, demo_study[0], "highdicom.seg", "Segmentation.save_as", "OSError", out)
+    assert completed.returncode == 2, completed.stderr
+    assert re.search(r"error: cannot write .*out/seg.dcm: No space left on device", completed.stderr), \
+        completed.stderr
+    assert "Traceback" not in completed.stderr + completed.stdout
+    assert not out.exists()
+
+
+def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path, demo_study, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("bundle_seg_app_probe", APP)
+    app = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(app)
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(app.tempfile, "TemporaryFile", refuse)
+    for variable in ("HOLOSCAN_INPUT_PATH", "HOLOSCAN_OUTPUT_PATH", "HOLOSCAN_MODEL_PATH"):
+        monkeypatch.setenv(variable, "")  # main() sets them; restored after the test
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    (tmp_path / "out").mkdir()
+    try:
+        status = app.main(["-i", str(demo_study[0]), "-o", str(tmp_path / "out"), "-m", str(DEMO_BUNDLE)])
+    finally:  # main() configures logging for the process
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert status == 2
+    assert re.search(r"error: output folder .*out: cannot be written to \(Permission denied\)",
+                     capsys.readouterr().err)

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -113,9 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     output_existed = output.is_dir()
     try:
         output.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=output).close()  # writable by us, whatever the permission bits say
     except OSError as error:
-        print(f"error: output folder {output}: cannot be created ({error.strerror or error}); expected a folder "
-              f"path that is writable", file=sys.stderr)
+        print(f"error: output folder {output}: cannot be {'written to' if output.is_dir() else 'created'} "
+              f"({error.strerror or error}); expected a folder we can write to", file=sys.stderr)
         return 2
     # The SDK reads the paths from the environment; its own argv parser must not see our flags.
     sdk_log_level = {0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
