@@ -104,12 +104,12 @@ def as_volume(value: Any) -> hd.Volume:
     if isinstance(value, hd.Volume):
         return value
     if not (callable(getattr(value, "asnumpy", None)) and callable(getattr(value, "metadata", None))):
-        raise BundleError(f"bundle inference input: expected a highdicom.Volume or a monai.deploy.core.Image; "
+        raise InferenceError(f"bundle inference input: expected a highdicom.Volume or a monai.deploy.core.Image; "
                           f"got {type(value).__module__}.{type(value).__qualname__}")
     array = np.asarray(value.asnumpy())
     metadata = value.metadata() or {}
     if array.ndim != 3:
-        raise BundleError(f"bundle inference input: the Image's array has shape {array.shape}; expected 3 "
+        raise InferenceError(f"bundle inference input: the Image's array has shape {array.shape}; expected 3 "
                           f"dimensions (slice, row, column)")
     if metadata.get("affine") is not None:
         affine, space = metadata["affine"], str(metadata.get("space") or "RAS").upper()
@@ -118,20 +118,21 @@ def as_volume(value: Any) -> hd.Volume:
     elif metadata.get("nifti_affine_transform") is not None:
         affine, space = metadata["nifti_affine_transform"], "RAS"
     else:
-        raise BundleError("bundle inference input: the Image has no geometry; expected an 'affine' (with "
+        raise InferenceError("bundle inference input: the Image has no geometry; expected an 'affine' (with "
                           "'space'), 'dicom_affine_transform' or 'nifti_affine_transform' in its metadata")
     try:
         affine = np.array(affine, dtype=np.float64).reshape(4, 4)
     except (TypeError, ValueError):
-        raise BundleError(f"bundle inference input: the Image's {space} affine is not a 4x4 matrix") from None
+        raise InferenceError(f"bundle inference input: the Image's {space} affine is not a 4x4 matrix") from None
     if space not in ("RAS", "LPS"):
-        raise BundleError(f"bundle inference input: the Image's metadata 'space' is {space!r}; expected RAS or LPS")
+        raise InferenceError(f"bundle inference input: the Image's metadata 'space' is {space!r}; expected RAS or LPS")
     lps = (_LPS_TO_RAS @ affine if space == "RAS" else affine)[:, [2, 1, 0, 3]]
     _correct_sdk_pixel_spacing(lps, metadata)
     try:
         return hd.Volume(array=array, affine=lps, coordinate_system="PATIENT")
     except (TypeError, ValueError) as error:
-        raise BundleError(f"bundle inference input: the Image's geometry does not form a volume ({error})") from error
+        raise InferenceError(f"bundle inference input: the Image's geometry does not form a volume ({error})") \
+            from error
 
 
 def _correct_sdk_pixel_spacing(lps: np.ndarray, metadata: dict[str, Any]) -> None:
@@ -227,7 +228,7 @@ class BundlePredictor:
         """
         shape = tuple(volume.array.shape)
         if len(shape) != 3:
-            raise BundleError(f"bundle {self.name}: input volume has shape {shape}; expected 3 dimensions "
+            raise InferenceError(f"bundle {self.name}: input volume has shape {shape}; expected 3 dimensions "
                               f"(slice, row, column)")
         with self._lock:
             with self._stage("preprocessing", shape):
