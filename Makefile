@@ -27,7 +27,7 @@ system-deps:
 demo: setup
 	$(RUN) $(BIN)/python -m medserve.demo
 
-test: setup system-deps
+test: system-deps setup
 	$(RUN) $(BIN)/python -m pytest -q
 
 bench: setup
