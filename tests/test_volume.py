@@ -150,18 +150,30 @@ def test_jpeg_baseline_series_decodes(tmp_path, phantom):
     assert np.abs(volume.array - np.stack(expected)).mean() < 4.0
 
 
-def test_enhanced_multiframe_ct_gives_the_same_volume(tmp_path, phantom):
+def _as_mr(dataset: pydicom.Dataset) -> pydicom.Dataset:
+    """The same slice as an MR Image Storage object (the CT-only attributes dropped)."""
+    dataset.SOPClassUID = dataset.file_meta.MediaStorageSOPClassUID = pydicom.uid.MRImageStorage
+    dataset.Modality = "MR"
+    for keyword in ("KVP", "RescaleType", "ConvolutionKernel", "XRayTubeCurrent", "ExposureTime", "CTDIvol"):
+        dataset.pop(keyword, None)
+    return dataset
+
+
+@pytest.mark.parametrize("modality,converter", [("CT", hd.legacy.LegacyConvertedEnhancedCTImage),
+                                                 ("MR", hd.legacy.LegacyConvertedEnhancedMRImage)])
+def test_enhanced_multiframe_image_gives_the_same_volume(tmp_path, phantom, modality, converter):
     single = tmp_path / "single"
     write_ct_series(phantom.hu, single, file_order_seed=2)
     datasets = [pydicom.dcmread(p) for p in sorted(single.iterdir())]
-    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
-        legacy_datasets=datasets, series_instance_uid=pydicom.uid.generate_uid(), series_number=3,
-        sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    if modality == "MR":
+        datasets = [_as_mr(dataset) for dataset in datasets]
+    enhanced = converter(legacy_datasets=datasets, series_instance_uid=pydicom.uid.generate_uid(), series_number=3,
+                         sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
     multi = tmp_path / "multi"
     multi.mkdir()
     enhanced.save_as(multi / "enhanced.dcm")
     series = index_folder(multi).all_series[0]
-    assert series.is_multiframe
+    assert series.is_multiframe and series.modality == modality
     volume = series_to_volume(series)
     reference = volume_of(single)
     np.testing.assert_allclose(volume.match_geometry(reference).array, reference.array, atol=0.5)
