@@ -18,7 +18,7 @@ import numpy as np
 from medserve.bundle.predictor import BundlePredictor
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import LoadedSeries, load_series
+from medserve.dicom.volume import LoadedSeries, load_series, lps_affine
 from medserve.errors import DicomInputError
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
@@ -27,7 +27,6 @@ log = logging.getLogger("medserve.pipeline")
 
 SEG_NAME = "seg.dcm"
 NIFTI_NAME = "labels.nii.gz"
-_RAS_TO_LPS = np.diag([-1.0, -1.0, 1.0, 1.0])
 
 
 @dataclass
@@ -99,8 +98,7 @@ def volume_from_nifti(path: Path) -> hd.Volume:
         raise DicomInputError(f"{path}: not a readable NIfTI image ({error})") from error
     if array.ndim != 3:
         raise DicomInputError(f"{path}: NIfTI image has {array.ndim} dimensions; expected a 3D volume")
-    affine = _RAS_TO_LPS @ image.affine[:, [2, 1, 0, 3]]
-    return hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=affine,
+    return hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=lps_affine(image.affine),
                      coordinate_system="PATIENT")
 
 

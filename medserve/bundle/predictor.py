@@ -29,7 +29,7 @@ from monai.bundle import ConfigParser
 from monai.data import MetaTensor
 
 from medserve.bundle.layout import BundleLayout
-from medserve.dicom.volume import ras_affine
+from medserve.dicom.volume import lps_affine, ras_affine
 from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
 
 log = logging.getLogger("medserve.bundle")
@@ -42,7 +42,6 @@ _REMOVED_NETWORK_ARGUMENTS = {"SwinUNETR": ("img_size",)}
 # monai.bundle's component locator iterates sys.modules; an import in another thread (a server loading bundles
 # while serving) makes that fail with "dictionary changed size during iteration". The parse is pure: retry it.
 _IMPORT_RACE_ATTEMPTS = 5
-_LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 # How much of a failing component's error text goes into the one-line message (the chained error keeps it all).
 _CAUSE_CHARACTERS = 500
 # MONAI's Compose wraps a transform's error in RuntimeError("applying transform <its repr>") from the original.
@@ -105,12 +104,12 @@ def as_volume(value: Any) -> hd.Volume:
         return value
     if not (callable(getattr(value, "asnumpy", None)) and callable(getattr(value, "metadata", None))):
         raise InferenceError(f"bundle inference input: expected a highdicom.Volume or a monai.deploy.core.Image; "
-                          f"got {type(value).__module__}.{type(value).__qualname__}")
+                             f"got {type(value).__module__}.{type(value).__qualname__}")
     array = np.asarray(value.asnumpy())
     metadata = value.metadata() or {}
     if array.ndim != 3:
         raise InferenceError(f"bundle inference input: the Image's array has shape {array.shape}; expected 3 "
-                          f"dimensions (slice, row, column)")
+                             f"dimensions (slice, row, column)")
     if metadata.get("affine") is not None:
         affine, space = metadata["affine"], str(metadata.get("space") or "RAS").upper()
     elif metadata.get("dicom_affine_transform") is not None:
@@ -119,14 +118,14 @@ def as_volume(value: Any) -> hd.Volume:
         affine, space = metadata["nifti_affine_transform"], "RAS"
     else:
         raise InferenceError("bundle inference input: the Image has no geometry; expected an 'affine' (with "
-                          "'space'), 'dicom_affine_transform' or 'nifti_affine_transform' in its metadata")
+                             "'space'), 'dicom_affine_transform' or 'nifti_affine_transform' in its metadata")
     try:
         affine = np.array(affine, dtype=np.float64).reshape(4, 4)
     except (TypeError, ValueError):
         raise InferenceError(f"bundle inference input: the Image's {space} affine is not a 4x4 matrix") from None
     if space not in ("RAS", "LPS"):
         raise InferenceError(f"bundle inference input: the Image's metadata 'space' is {space!r}; expected RAS or LPS")
-    lps = (_LPS_TO_RAS @ affine if space == "RAS" else affine)[:, [2, 1, 0, 3]]
+    lps = lps_affine(affine) if space == "RAS" else affine[:, [2, 1, 0, 3]]
     _correct_sdk_pixel_spacing(lps, metadata)
     try:
         return hd.Volume(array=array, affine=lps, coordinate_system="PATIENT")
@@ -229,7 +228,7 @@ class BundlePredictor:
         shape = tuple(volume.array.shape)
         if len(shape) != 3:
             raise InferenceError(f"bundle {self.name}: input volume has shape {shape}; expected 3 dimensions "
-                              f"(slice, row, column)")
+                                 f"(slice, row, column)")
         with self._lock:
             with self._stage("preprocessing", shape):
                 data = self.preprocessing({self.image_key: self._as_loaded_image(volume)})

@@ -88,6 +88,11 @@ def ras_affine(volume: hd.Volume) -> np.ndarray:
     return _LPS_TO_RAS @ volume.affine[:, [2, 1, 0, 3]]
 
 
+def lps_affine(ras: np.ndarray) -> np.ndarray:
+    """LPS affine of (slice, row, column) indices from a RAS affine of (column, row, slice): `ras_affine` undone."""
+    return (_LPS_TO_RAS @ ras)[:, [2, 1, 0, 3]]
+
+
 def slice_affine(first: pydicom.Dataset, spacing: float) -> np.ndarray:
     """LPS affine of (slice, row, column) indices with slices ascending along the normal (row x column).
 
