@@ -53,6 +53,13 @@ class RunRecord:
     failure: Failure | None = None
     outputs: list[Path] = field(default_factory=list)
 
+    def fail(self, where: str, error: Exception) -> None:
+        """Keep the run's first failure; an internal one's traceback goes to the debug log."""
+        if not isinstance(error, MedserveError):
+            log.debug("%s failed", where, exc_info=error)
+        if self.failure is None:
+            self.failure = Failure(where=where, error=error)
+
     def remove_outputs(self) -> None:
         """Outputs of a failed run must not be left as if the run had completed."""
         for path in self.outputs:
@@ -77,9 +84,7 @@ def reports_failures(compute: Callable[..., None]) -> Callable[..., None]:
         try:
             compute(self, op_input, op_output, context)
         except Exception as error:  # noqa: BLE001 - every failure ends the run with a message; see module doc
-            record.failure = Failure(where=f"operator {self.name}", error=error)
-            if not isinstance(error, MedserveError):
-                log.debug("operator %s failed", self.name, exc_info=error)
+            record.fail(f"operator {self.name}", error)
             # Operators still holding messages (a writer beside the failed one) would otherwise wait forever.
             self.fragment.stop_execution()
 

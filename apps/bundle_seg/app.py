@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import sys
 import tempfile
@@ -21,13 +20,11 @@ from monai.deploy.core import Application
 from monai.deploy.conditions import CountCondition
 
 from medserve.bundle.predictor import BundlePredictor
-from medserve.errors import BundleError, MedserveError
+from medserve.errors import BundleError
 from medserve.logs import configure_logging
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, ResultSummaryOperator,
                        SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
-from operators.failures import Failure, run_record
-
-log = logging.getLogger("medserve.app")
+from operators.failures import run_record
 
 _PATH_VARIABLES = {"input": "HOLOSCAN_INPUT_PATH", "output": "HOLOSCAN_OUTPUT_PATH", "model": "HOLOSCAN_MODEL_PATH"}
 
@@ -126,11 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     record = run_record(app)
     try:
         app.run()
-    except MedserveError as error:
-        record.failure = record.failure or Failure(where="the application", error=error)
-    except Exception as error:  # noqa: BLE001 - a fault of ours or of a library: one line, traceback on DEBUG
-        log.debug("application failed", exc_info=error)
-        record.failure = record.failure or Failure(where="the application", error=error)
+    except Exception as error:  # noqa: BLE001 - input or internal, the run ends with one line (operators/failures)
+        record.fail("the application", error)
     if record.failure is None:
         return 0
     record.remove_outputs()
