@@ -152,7 +152,8 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
 
         with app_state.store.use(name) as (predictor, queued):
             app_state.metrics.queue.labels(name).observe(queued)
-            out = predictor.infer_tensor(torch.from_numpy(np.ascontiguousarray(array)))
+            # Binary request data is a read-only view of the body; torch tensors must own writable memory.
+            out = predictor.infer_tensor(torch.from_numpy(np.require(array, requirements=("C", "W"))))
             return out.detach().to("cpu", torch.float32).numpy()
 
     try:
