@@ -40,6 +40,7 @@ def demo_study(tmp_path_factory) -> tuple[Path, WrittenSeries, object]:
 @pytest.fixture(scope="session")
 def zoo_bundle(tmp_path_factory):
     """Copy a model-zoo bundle and give it random weights from its own network_def."""
+    from medserve.bundle.layout import INFERENCE_CONFIG_NAMES
     from medserve.bundle.predictor import network_from_config
 
     made: dict[str, Path] = {}
@@ -49,7 +50,9 @@ def zoo_bundle(tmp_path_factory):
             target = tmp_path_factory.mktemp("zoo") / name
             shutil.copytree(MODEL_ZOO / name, target)
             torch.manual_seed(0)
-            network = network_from_config(target / "configs" / "inference.json")
+            config = next(target / "configs" / name for name in INFERENCE_CONFIG_NAMES
+                          if (target / "configs" / name).is_file())  # the zoo publishes JSON and YAML configs
+            network = network_from_config(config)
             (target / "models").mkdir(exist_ok=True)
             torch.save(network.state_dict(), target / "models" / "model.pt")
             made[name] = target
@@ -128,6 +131,7 @@ def real_ct_study(tmp_path_factory, real_ct) -> tuple[Path, WrittenSeries, Serie
 
 def dciodvfy_errors(path: Path) -> list[str]:
     """The lines dciodvfy reports as errors (it exits 0 either way)."""
+    assert Path(path).is_file(), f"{path} was not written"  # dciodvfy reports no "Error" line for a missing file
     tool = shutil.which("dciodvfy")
     if tool is None:
         pytest.fail("dciodvfy is not installed: run `make system-deps` (Debian package dicom3tools)")
