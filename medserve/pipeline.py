@@ -14,6 +14,7 @@ from typing import Any
 import highdicom as hd
 import nibabel as nib
 import numpy as np
+from pydicom.dataset import Dataset
 
 from medserve.bundle.predictor import BundlePredictor
 from medserve.dicom.index import index_folder
@@ -52,10 +53,17 @@ def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, i
     return {labels.get(int(v), f"label {int(v)}"): int(c) for v, c in zip(values, counts) if v != 0}
 
 
-def segmentation_of(source: LoadedSeries, label_map: np.ndarray, predictor: BundlePredictor) -> hd.seg.Segmentation:
-    # A multi-frame source's frames need not be in volume order: highdicom maps a Volume onto them itself.
-    pixels = source.volume.with_array(label_map) if source.series.is_multiframe else label_map
-    return build_seg(pixels, source.source_datasets, predictor.labels, Algorithm(predictor.name, predictor.version))
+def segmentation_of(source: LoadedSeries | list[Dataset], label_map: np.ndarray,
+                    predictor: BundlePredictor) -> hd.seg.Segmentation:
+    """The SEG of `label_map` over `source`: a loaded series, or single-frame source images in the label map's
+    slice order (one per slice)."""
+    if isinstance(source, LoadedSeries):
+        # A multi-frame source's frames need not be in volume order: highdicom maps a Volume onto them itself.
+        pixels = source.volume.with_array(label_map) if source.series.is_multiframe else label_map
+        datasets = source.source_datasets
+    else:
+        pixels, datasets = label_map, source
+    return build_seg(pixels, datasets, predictor.labels, Algorithm(predictor.name, predictor.version))
 
 
 def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path | str, *,

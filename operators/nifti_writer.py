@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monai.deploy.core import Fragment, Operator, OperatorSpec
+from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
 
+from medserve.bundle.predictor import as_volume
 from medserve.pipeline import NIFTI_NAME
 from medserve.writers.nifti import write_nifti
 from operators.failures import records_output, reports_failures
@@ -15,10 +16,12 @@ class NiftiWriterOperator(Operator):
     """Write `labels.nii.gz` (uint16, RAS affine of the source volume) into the output folder.
 
     Named inputs:
-        label_map: uint16 label map, (slice, row, column).
-        volume: the volume it was computed on (geometry).
+        label_map: the label map, (slice, row, column): a numpy array, or an SDK `Image` holding one.
+        volume: the volume it was computed on (geometry): a `highdicom.Volume`, or the stock
+            DICOMSeriesToVolumeOperator's `Image` (converted as BundleInferenceOperator converts it).
+        A label map of another shape than the volume is refused, naming both shapes.
 
-    Named output:
+    Named output (may be left unconnected):
         nifti_path: Path of the written file.
     """
 
@@ -29,10 +32,12 @@ class NiftiWriterOperator(Operator):
     def setup(self, spec: OperatorSpec):
         spec.input("label_map")
         spec.input("volume")
-        spec.output("nifti_path")
+        spec.output("nifti_path").condition(ConditionType.NONE)  # optional: see the class docstring
 
     @reports_failures
     def compute(self, op_input, op_output, context):
+        label_map = op_input.receive("label_map")
+        volume = as_volume(op_input.receive("volume"), role="NIfTI writer volume")
         self.output_folder.mkdir(parents=True, exist_ok=True)
-        path = write_nifti(op_input.receive("label_map"), op_input.receive("volume"), self.output_folder / NIFTI_NAME)
+        path = write_nifti(label_map, volume, self.output_folder / NIFTI_NAME)
         op_output.emit(records_output(self.fragment, path), "nifti_path")

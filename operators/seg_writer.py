@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from monai.deploy.core import Fragment, Operator, OperatorSpec
+from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
+from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
+from pydicom.dataset import Dataset
 
 from medserve.bundle.predictor import BundlePredictor
+from medserve.dicom.volume import LoadedSeries
 from medserve.pipeline import SEG_NAME, segmentation_of
+from medserve.writers.labels import label_array
 from medserve.writers.seg import write_seg
 from operators.failures import records_output, reports_failures
 
@@ -18,10 +23,16 @@ class SegWriterOperator(Operator):
     Segment names and codes come from the predictor's bundle metadata.
 
     Named inputs:
-        label_map: uint16 label map from BundleInferenceOperator.
-        source: the LoadedSeries it was computed on (geometry, referenced instances, patient/study attributes).
+        label_map: the label map, (slice, row, column): a numpy array (BundleInferenceOperator), or an SDK
+            `Image` holding one (as stock inference operators emit it).
+        source: what it was computed on (geometry, referenced instances, patient/study attributes), either
+            - the `LoadedSeries` from our SeriesToVolumeOperator, or
+            - the SDK's List[StudySelectedSeries] (stock or our selector's `study_selected_series_list`) once the
+              stock DICOMSeriesToVolumeOperator has sorted its instances into the volume's slice order; the first
+              selected series is referenced, as the stock DICOMSegmentationWriterOperator does.
+        A label map that does not fit the source's images is refused, naming both shapes.
 
-    Named output:
+    Named output (may be left unconnected, as the stock writer has none):
         seg_path: Path of the written file (written under a temporary name, then renamed).
     """
 
@@ -33,13 +44,28 @@ class SegWriterOperator(Operator):
     def setup(self, spec: OperatorSpec):
         spec.input("label_map")
         spec.input("source")
-        spec.output("seg_path")
+        spec.output("seg_path").condition(ConditionType.NONE)  # optional: see the class docstring
 
     @reports_failures
     def compute(self, op_input, op_output, context):
-        label_map = op_input.receive("label_map")
-        source = op_input.receive("source")
+        label_map = label_array(op_input.receive("label_map"))
+        source = source_images(op_input.receive("source"))
         self.output_folder.mkdir(parents=True, exist_ok=True)
         segmentation = segmentation_of(source, label_map, self.predictor)
         path = write_seg(segmentation, self.output_folder / SEG_NAME)
         op_output.emit(records_output(self.fragment, path), "seg_path")
+
+
+def source_images(source: Any) -> LoadedSeries | list[Dataset]:
+    """The `source` input as `segmentation_of` takes it: our LoadedSeries as it is; an SDK selection as its first
+    selected series' datasets, in the series' instance order (the stock volume's slice order once the stock
+    DICOMSeriesToVolumeOperator has run). Anything else is a TypeError naming what was expected."""
+    if isinstance(source, LoadedSeries):
+        return source
+    if isinstance(source, list) and source and all(isinstance(s, StudySelectedSeries) for s in source):
+        if not source[0].selected_series:
+            raise ValueError("SEG writer source: the SDK selection's first study has no selected series")
+        series = source[0].selected_series[0].series
+        return [instance.get_native_sop_instance() for instance in series.get_sop_instances()]
+    raise TypeError(f"SEG writer source: expected a LoadedSeries (SeriesToVolumeOperator) or the SDK's "
+                    f"List[StudySelectedSeries]; got {type(source).__module__}.{type(source).__qualname__}")

@@ -31,7 +31,7 @@ class SeriesSelectorOperator(Operator):
     Named input:
         study_index: a StudyIndex from DicomLoaderOperator.
 
-    Named outputs:
+    Named outputs (connect either or both):
         selected_series: list of `medserve.dicom.select.SelectedSeries`, in selection order.
         study_selected_series_list: with `sdk_selection=True`, the same selection as the SDK's
             List[StudySelectedSeries] (pixel data deferred: read from the files on access), for stock operators
@@ -49,7 +49,7 @@ class SeriesSelectorOperator(Operator):
 
     def setup(self, spec: OperatorSpec):
         spec.input("study_index")
-        spec.output("selected_series")
+        spec.output("selected_series").condition(ConditionType.NONE)
         spec.output("study_selected_series_list").condition(ConditionType.NONE)
 
     @reports_failures

@@ -18,7 +18,7 @@ class SeriesToVolumeOperator(Operator):
     Named input:
         selected_series: list of SelectedSeries from SeriesSelectorOperator.
 
-    Named outputs:
+    Named outputs (connect any of them; one left unconnected does not hold the operator back):
         volume: `highdicom.Volume`, array (slice, row, column), LPS affine.
         source: `medserve.dicom.volume.LoadedSeries`: the series, its volume and its instances in slice order
             (what the SEG writer references).
@@ -28,8 +28,8 @@ class SeriesToVolumeOperator(Operator):
 
     def setup(self, spec: OperatorSpec):
         spec.input("selected_series")
-        spec.output("volume")
-        spec.output("source")
+        spec.output("volume").condition(ConditionType.NONE)
+        spec.output("source").condition(ConditionType.NONE)
         spec.output("image").condition(ConditionType.NONE)
 
     @reports_failures

@@ -1,10 +1,16 @@
-"""Bundle inference takes the stock SDK's Image as well as our highdicom.Volume, with the same geometry."""
+"""Mixing our operators and the stock SDK's: bundle inference takes the stock Image as well as our highdicom.Volume,
+with the same geometry; our writers take the stock selection and Image; the stock SEG writer takes our outputs."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import highdicom as hd
+import nibabel as nib
 import numpy as np
 import pytest
 from monai.deploy.core import Fragment
@@ -20,14 +26,18 @@ from medserve.dicom.volume import load_series, ras_affine
 from medserve.errors import BundleError
 from operators.bundle_inference import BundleInferenceOperator
 from operators.failures import run_record
+from operators.nifti_writer import NiftiWriterOperator
+from operators.seg_writer import SegWriterOperator
+from tests.conftest import REPO, dciodvfy_errors
 from tests.test_volume import ORIENTATIONS
 
 SQUARE = (0.8, 0.8)
 NON_SQUARE = (0.7, 0.9)  # PixelSpacing: between rows, between columns
 
 
-def stock_load(folder: Path, affine_lps_to_ras: bool = True) -> Image:
-    """The stock loader -> selector -> to-volume operators, called outside a graph (as bench_pipeline does)."""
+def stock_pipeline(folder: Path, affine_lps_to_ras: bool = True) -> tuple[Image, list]:
+    """The stock loader -> selector -> to-volume operators, called outside a graph (as bench_pipeline does):
+    the Image and the selection (its instances sorted into the Image's slice order by the to-volume step)."""
     from monai.deploy.operators.dicom_data_loader_operator import DICOMDataLoaderOperator
     from monai.deploy.operators.dicom_series_selector_operator import DICOMSeriesSelectorOperator
     from monai.deploy.operators.dicom_series_to_volume_operator import DICOMSeriesToVolumeOperator
@@ -36,7 +46,11 @@ def stock_load(folder: Path, affine_lps_to_ras: bool = True) -> Image:
     studies = DICOMDataLoaderOperator(fragment, name="loader").load_data_to_studies(folder)
     selection = DICOMSeriesSelectorOperator(fragment, name="selector").filter(None, studies)
     to_volume = DICOMSeriesToVolumeOperator(fragment, affine_lps_to_ras=affine_lps_to_ras, name="to_volume")
-    return to_volume.convert_to_image(selection)
+    return to_volume.convert_to_image(selection), selection
+
+
+def stock_load(folder: Path, affine_lps_to_ras: bool = True) -> Image:
+    return stock_pipeline(folder, affine_lps_to_ras)[0]
 
 
 def our_load(folder: Path) -> hd.Volume:
@@ -85,12 +99,11 @@ def test_stock_image_gets_the_label_map_of_our_volume(tmp_path, threshold_bundle
 
 
 class Receiver:
-    def __init__(self, value):
-        self.value = value
+    def __init__(self, value=None, **named):
+        self.named = named if named else {"volume": value}
 
     def receive(self, name):
-        assert name == "volume"
-        return self.value
+        return self.named[name]
 
 
 class Emitter:
@@ -188,3 +201,165 @@ def test_the_stock_seg_writer_writes_our_label_map_onto_our_selection(tmp_path, 
     # Positions stored as decimal strings put oblique frames ~1e-5 mm off the exact grid.
     back = seg.get_volume(combine_segments=True).match_geometry(volume, tol=1e-3)
     np.testing.assert_array_equal(back.array, label_map)
+
+
+# ---- stock -> ours: our writers take the stock pipeline's selection and Image --------------------------------
+
+def stock_label_map(folder: Path, predictor: BundlePredictor) -> tuple[np.ndarray, Image, list]:
+    image, selection = stock_pipeline(folder)
+    label_map = predictor.predict(as_volume(image))
+    assert 0 < np.count_nonzero(label_map) < label_map.size
+    return label_map, image, selection
+
+
+@pytest.mark.parametrize("label_map_as", ["array", "sdk_image"])
+def test_our_seg_writer_writes_onto_the_stock_selection(tmp_path, threshold_bundle, label_map_as):
+    """The stock pipeline's Image through our inference; the label map (as our operator emits it, or as a float
+    SDK Image as stock inference operators emit one) and the stock selection into our SEG writer: a valid SEG
+    of the stock selection's series with every label where our own volume has it (files shuffled, oblique)."""
+    folder = write_series(tmp_path / "series", "oblique", NON_SQUARE, shape=(8, 24, 28))
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    label_map, _, selection = stock_label_map(folder, predictor)
+    sent = label_map if label_map_as == "array" else Image(label_map.astype(np.float32), {})
+    fragment = Fragment()
+    writer = SegWriterOperator(fragment, output_folder=tmp_path / "out", predictor=predictor, name="seg_writer")
+    writer.compute(Receiver(label_map=sent, source=selection), Emitter(), None)
+    assert run_record(fragment).failure is None
+    path = tmp_path / "out" / "seg.dcm"
+    assert dciodvfy_errors(path) == []
+    seg = hd.seg.segread(path)
+    series = selection[0].selected_series[0].series
+    assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == series.SeriesInstanceUID
+    back = seg.get_volume(combine_segments=True).match_geometry(our_load(folder), tol=1e-3)
+    np.testing.assert_array_equal(back.array, label_map)
+
+
+def test_our_nifti_writer_takes_the_stock_image_as_its_volume(tmp_path, threshold_bundle):
+    folder = write_series(tmp_path / "series", "oblique", NON_SQUARE, shape=(8, 24, 28))
+    label_map, image, _ = stock_label_map(folder, BundlePredictor.from_dir(threshold_bundle, device="cpu"))
+    fragment = Fragment()
+    writer = NiftiWriterOperator(fragment, output_folder=tmp_path / "out", name="nifti_writer")
+    writer.compute(Receiver(label_map=label_map, volume=image), Emitter(), None)
+    assert run_record(fragment).failure is None
+    written = nib.load(tmp_path / "out" / "labels.nii.gz")
+    np.testing.assert_allclose(written.affine, ras_affine(our_load(folder)), rtol=0, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(written.dataobj).transpose(2, 1, 0), label_map)
+
+
+@pytest.mark.parametrize("damage,error,message", [
+    ("one_slice_less", ValueError, r"^label map has shape \(7, 24, 28\) \(slice, row, column\); the source series "
+                                   r"\(images, rows, columns\) has \(8, 24, 28\)$"),
+    ("not_a_selection", TypeError, r"^SEG writer source: expected a LoadedSeries \(SeriesToVolumeOperator\) or "
+                                   r"the SDK's List\[StudySelectedSeries\]; got builtins.dict$"),
+    ("probabilities", ValueError, r"^label map has dtype float32 with fractional values; expected whole-number "
+                                  r"labels"),
+])
+def test_our_seg_writer_refuses_what_does_not_fit_and_writes_nothing(tmp_path, threshold_bundle, damage, error,
+                                                                     message):
+    folder = write_series(tmp_path / "series", "axial", SQUARE, shape=(8, 24, 28))
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    label_map, _, selection = stock_label_map(folder, predictor)
+    source = {"selection": selection} if damage == "not_a_selection" else selection
+    sent = {"one_slice_less": label_map[1:], "probabilities": label_map * np.float32(0.5)}.get(damage, label_map)
+    fragment = Fragment()
+    writer = SegWriterOperator(fragment, output_folder=tmp_path / "out", predictor=predictor, name="seg_writer")
+    output = Emitter()
+    writer.compute(Receiver(label_map=sent, source=source), output, None)
+    failure = run_record(fragment).failure
+    assert isinstance(failure.error, error)
+    assert re.search(message, str(failure.error))
+    assert output.emitted == {}
+    assert not (tmp_path / "out" / "seg.dcm").exists()
+
+
+MIXED_APP = """
+import sys
+from pathlib import Path
+
+from monai.deploy.conditions import CountCondition
+from monai.deploy.core import Application
+from monai.deploy.operators.dicom_data_loader_operator import DICOMDataLoaderOperator
+from monai.deploy.operators.dicom_seg_writer_operator import DICOMSegmentationWriterOperator, SegmentDescription
+from monai.deploy.operators.dicom_series_selector_operator import DICOMSeriesSelectorOperator
+from monai.deploy.operators.dicom_series_to_volume_operator import DICOMSeriesToVolumeOperator
+from pydicom.sr.codedict import codes
+
+from medserve.bundle import BundlePredictor
+from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, SegWriterOperator,
+                       SeriesSelectorOperator, SeriesToVolumeOperator)
+from operators.failures import run_record
+
+composition, input_folder, output_folder, bundle = sys.argv[1], *(Path(a) for a in sys.argv[2:5])
+
+
+class StockFrontOurBack(Application):
+    def compose(self):
+        predictor = BundlePredictor.from_dir(bundle, "cpu")
+        loader = DICOMDataLoaderOperator(self, CountCondition(self, 1), input_folder=input_folder, name="loader")
+        selector = DICOMSeriesSelectorOperator(self, name="selector")
+        to_volume = DICOMSeriesToVolumeOperator(self, name="to_volume")
+        inference = BundleInferenceOperator(self, predictor=predictor, name="inference")
+        seg_writer = SegWriterOperator(self, output_folder=output_folder, predictor=predictor, name="seg_writer")
+        nifti_writer = NiftiWriterOperator(self, output_folder=output_folder, name="nifti_writer")
+        self.add_flow(loader, selector, {("dicom_study_list", "dicom_study_list")})
+        self.add_flow(selector, to_volume, {("study_selected_series_list", "study_selected_series_list")})
+        self.add_flow(to_volume, inference, {("image", "volume")})
+        self.add_flow(inference, seg_writer, {("label_map", "label_map")})
+        self.add_flow(selector, seg_writer, {("study_selected_series_list", "source")})
+        self.add_flow(inference, nifti_writer, {("label_map", "label_map")})
+        self.add_flow(to_volume, nifti_writer, {("image", "volume")})
+
+
+class OurFrontStockWriter(Application):
+    def compose(self):
+        predictor = BundlePredictor.from_dir(bundle, "cpu")
+        description = SegmentDescription(segment_label="dense", segmented_property_category=codes.SCT.Tissue,
+                                         segmented_property_type=codes.SCT.Tissue, algorithm_name="threshold",
+                                         algorithm_version="1")
+        loader = DicomLoaderOperator(self, CountCondition(self, 1), input_folder=input_folder, name="loader")
+        selector = SeriesSelectorOperator(self, sdk_selection=True, name="selector")
+        to_volume = SeriesToVolumeOperator(self, name="to_volume")
+        inference = BundleInferenceOperator(self, predictor=predictor, name="inference")
+        writer = DICOMSegmentationWriterOperator(self, segment_descriptions=[description],
+                                                 output_folder=output_folder, name="stock_seg_writer")
+        self.add_flow(loader, selector, {("study_index", "study_index")})
+        self.add_flow(selector, to_volume, {("selected_series", "selected_series")})
+        self.add_flow(to_volume, inference, {("volume", "volume")})  # "source" and "image" left unconnected
+        self.add_flow(inference, writer, {("label_map", "seg_image")})
+        self.add_flow(selector, writer, {("study_selected_series_list", "study_selected_series_list")})
+
+
+application = {"stock_front": StockFrontOurBack, "stock_writer": OurFrontStockWriter}[composition]
+app = application([sys.executable, __file__, "--log-level", "WARN"])
+app.run()
+failure = run_record(app).failure
+sys.exit(f"error: {failure.message()}" if failure else 0)
+"""
+
+
+@pytest.mark.parametrize("composition", ["stock_front", "stock_writer"])
+def test_graphs_of_stock_operators_and_ours_write_the_right_seg(tmp_path, threshold_bundle, composition):
+    """Users mix, in one Holoscan graph: the stock loader, selector and to-volume with our inference and writers
+    (their path outputs left unconnected); or ours up to inference with the stock SEG writer (our to-volume's
+    `source` and `image` left unconnected). Either writes the SEG of the label map our own pipeline computes."""
+    folder = write_series(tmp_path / "series", "oblique", NON_SQUARE, shape=(8, 24, 28))
+    script = tmp_path / "mixed_app.py"
+    script.write_text(MIXED_APP)
+    out = tmp_path / "out"
+    command = f"ulimit -s 32768; exec {sys.executable} {script} {composition} '{folder}' '{out}' '{threshold_bundle}'"
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    volume = our_load(folder)
+    expected = BundlePredictor.from_dir(threshold_bundle, device="cpu").predict(volume)
+    [seg_path] = out.glob("*.dcm")
+    errors = dciodvfy_errors(seg_path)
+    if composition == "stock_writer":  # the stock writer's Contributing Equipment item has an empty Manufacturer
+        errors.remove("Error - Empty attribute (no value) Type 1 Required Element=<Manufacturer> Module=<SOPCommon>")
+    assert errors == []
+    back = hd.seg.segread(seg_path).get_volume(combine_segments=True).match_geometry(volume, tol=1e-3)
+    np.testing.assert_array_equal(back.array, expected)
+    if composition == "stock_front":
+        written = nib.load(out / "labels.nii.gz")
+        np.testing.assert_array_equal(np.asarray(written.dataobj).transpose(2, 1, 0), expected)
+        np.testing.assert_allclose(written.affine, ras_affine(volume), rtol=0, atol=1e-4)

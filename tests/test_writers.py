@@ -17,6 +17,7 @@ from medserve.dicom.index import index_folder
 from medserve.dicom.volume import load_series
 from medserve.errors import OutputError
 from medserve.writers.files import atomic_output
+from medserve.writers.labels import label_array
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, segment_concept, write_seg
 from tests.conftest import dciodvfy_errors
@@ -161,3 +162,47 @@ def test_a_failed_write_leaves_neither_the_file_nor_its_partial(tmp_path, error,
     if raised is OutputError:
         assert str(caught.value) == f"cannot write {target}: No space left on device"
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- label maps from elsewhere: checked where they reach a writer -------------------------------------------
+
+@pytest.mark.parametrize("values,dtype", [
+    (np.array([0, 1, 2], dtype=np.float32), np.uint16),  # MONAI's AsDiscrete leaves labels as floats
+    (np.array([0, 300, 65535], dtype=np.int64), np.uint16),
+    (np.array([False, True]), np.uint16),
+])
+def test_label_maps_of_whole_numbers_become_unsigned_labels(values, dtype):
+    converted = label_array(values.reshape(1, 1, -1))
+    assert converted.dtype == dtype
+    np.testing.assert_array_equal(converted.ravel(), values.astype(np.int64))
+
+
+def test_unsigned_label_maps_pass_through_uncopied():
+    for dtype in (np.uint8, np.uint16):
+        values = np.zeros((2, 3, 4), dtype=dtype)
+        assert label_array(values) is values
+
+
+@pytest.mark.parametrize("value,message", [
+    (np.array([0.0, 0.5], dtype=np.float32).reshape(1, 1, 2), "dtype float32 with fractional values"),
+    (np.array([-1, 2]).reshape(1, 1, 2), "values -1..2 are outside the labels 0..65535"),
+    (np.array([0, 70000]).reshape(1, 1, 2), "values 0..70000 are outside the labels 0..65535"),
+    (np.zeros((3, 4), dtype=np.uint8), r"shape \(3, 4\); expected 3 dimensions \(slice, row, column\)"),
+    (np.zeros((1, 1, 2), dtype=np.complex64), "dtype complex64; expected integer labels"),
+    ([[[0, 1]]], "expected a numpy array or an SDK Image; got builtins.list"),
+])
+def test_what_is_not_a_label_map_is_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=rf"^label map.*{message}"):
+        label_array(value)
+
+
+def test_writers_refuse_a_label_map_that_does_not_fit_their_source(tmp_path):
+    series, volume = study(tmp_path / "study")  # 16 slices of 32x32
+    label_map = multi_label(volume)
+    with pytest.raises(ValueError, match=r"^label map has shape \(16, 32, 31\) \(slice, row, column\); the volume "
+                                         r"has \(16, 32, 32\)$"):
+        write_nifti(label_map[:, :, 1:], volume.volume, tmp_path / "labels.nii.gz")
+    with pytest.raises(ValueError, match=r"^label map has shape \(15, 32, 32\) \(slice, row, column\); the source "
+                                         r"series \(images, rows, columns\) has \(16, 32, 32\)$"):
+        build_seg(label_map[1:], volume.source_datasets, LABELS, Algorithm("demo_organ_seg", "0.1.0"))
+    assert list(tmp_path.glob("labels*")) == []

@@ -31,12 +31,12 @@ from monai.data import MetaTensor
 from medserve.bundle.layout import BundleLayout
 from medserve.dicom.volume import lps_affine, ras_affine
 from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
+from medserve.writers.labels import MAX_LABEL
 
 log = logging.getLogger("medserve.bundle")
 
 _FILE_IO_TRANSFORMS = ("LoadImage", "SaveImage")
 _CHANNEL_FIRST_TRANSFORMS = ("EnsureChannelFirst", "AddChannel")
-MAX_LABEL = 65535
 # Arguments that published zoo bundles pass and later MONAI releases removed; they never affect the weights.
 _REMOVED_NETWORK_ARGUMENTS = {"SwinUNETR": ("img_size",)}
 # monai.bundle's component locator iterates sys.modules; an import in another thread (a server loading bundles
@@ -87,8 +87,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def as_volume(value: Any) -> hd.Volume:
-    """The input of bundle inference as a highdicom.Volume: a Volume as it is, or a stock SDK Image converted.
+def as_volume(value: Any, role: str = "bundle inference input") -> hd.Volume:
+    """A volume input (of bundle inference, of the NIfTI writer) as a highdicom.Volume: a Volume as it is, or a
+    stock SDK Image converted.
 
     A `monai.deploy.core.Image` from the stock DICOMSeriesToVolumeOperator holds the voxels as a (slice, row,
     column) ("DHW") array, the same axis order as our volumes, and the geometry as metadata: `affine` with
@@ -99,16 +100,18 @@ def as_volume(value: Any) -> hd.Volume:
     (PixelSpacing is row spacing, then column spacing); where the affine shows exactly that, the two in-plane
     axes are rebuilt from the direction cosines and the right spacings, so a series with non-square pixels gets
     its true geometry (square pixels: nothing changes).
+
+    What cannot be converted is an InferenceError whose message starts with `role`.
     """
     if isinstance(value, hd.Volume):
         return value
     if not (callable(getattr(value, "asnumpy", None)) and callable(getattr(value, "metadata", None))):
-        raise InferenceError(f"bundle inference input: expected a highdicom.Volume or a monai.deploy.core.Image; "
+        raise InferenceError(f"{role}: expected a highdicom.Volume or a monai.deploy.core.Image; "
                              f"got {type(value).__module__}.{type(value).__qualname__}")
     array = np.asarray(value.asnumpy())
     metadata = value.metadata() or {}
     if array.ndim != 3:
-        raise InferenceError(f"bundle inference input: the Image's array has shape {array.shape}; expected 3 "
+        raise InferenceError(f"{role}: the Image's array has shape {array.shape}; expected 3 "
                              f"dimensions (slice, row, column)")
     if metadata.get("affine") is not None:
         affine, space = metadata["affine"], str(metadata.get("space") or "RAS").upper()
@@ -117,20 +120,20 @@ def as_volume(value: Any) -> hd.Volume:
     elif metadata.get("nifti_affine_transform") is not None:
         affine, space = metadata["nifti_affine_transform"], "RAS"
     else:
-        raise InferenceError("bundle inference input: the Image has no geometry; expected an 'affine' (with "
+        raise InferenceError(f"{role}: the Image has no geometry; expected an 'affine' (with "
                              "'space'), 'dicom_affine_transform' or 'nifti_affine_transform' in its metadata")
     try:
         affine = np.array(affine, dtype=np.float64).reshape(4, 4)
     except (TypeError, ValueError):
-        raise InferenceError(f"bundle inference input: the Image's {space} affine is not a 4x4 matrix") from None
+        raise InferenceError(f"{role}: the Image's {space} affine is not a 4x4 matrix") from None
     if space not in ("RAS", "LPS"):
-        raise InferenceError(f"bundle inference input: the Image's metadata 'space' is {space!r}; expected RAS or LPS")
+        raise InferenceError(f"{role}: the Image's metadata 'space' is {space!r}; expected RAS or LPS")
     lps = lps_affine(affine) if space == "RAS" else affine[:, [2, 1, 0, 3]]
     _correct_sdk_pixel_spacing(lps, metadata)
     try:
         return hd.Volume(array=array, affine=lps, coordinate_system="PATIENT")
     except (TypeError, ValueError) as error:
-        raise InferenceError(f"bundle inference input: the Image's geometry does not form a volume ({error})") \
+        raise InferenceError(f"{role}: the Image's geometry does not form a volume ({error})") \
             from error
 
 

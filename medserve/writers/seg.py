@@ -26,6 +26,7 @@ from pydicom.uid import generate_uid
 
 import medserve
 from medserve.writers.files import atomic_output
+from medserve.writers.labels import label_array
 
 _LATERALITY_WORDS = {"left", "right", "l", "r"}
 # DICOM PS3.16 CID 7150 (Segmentation Property Categories) and, for each category, the context group its
@@ -158,13 +159,21 @@ def segment_descriptions(labels: dict[int, str], numbers: list[int], algorithm: 
 def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: dict[int, str],
               algorithm: Algorithm, *, series_number: int = 900) -> hd.seg.Segmentation:
     """A BINARY Segmentation of `label_map`: an array with one frame per `source` dataset in that order, or a
-    Volume that highdicom maps onto the source frames by position (multi-frame sources)."""
-    values = label_map.array if isinstance(label_map, hd.Volume) else label_map
+    Volume that highdicom maps onto the source frames by position (multi-frame sources).
+
+    A label map that is not whole-number labels, or whose shape does not fit the source images, is a ValueError
+    naming both shapes (see `medserve.writers.labels`)."""
+    if isinstance(label_map, hd.Volume):
+        values = label_array(label_map.array)
+        pixels: np.ndarray | hd.Volume = label_map.with_array(values)
+    else:
+        values = pixels = label_array(label_map, _frames_shape(source),
+                                      fits="the source series (images, rows, columns)")
     numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
     first = _with_type2_attributes(source[0])
     return hd.seg.Segmentation(
         source_images=[first, *source[1:]],
-        pixel_array=label_map,
+        pixel_array=pixels,
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
         segment_descriptions=segment_descriptions(labels, numbers, algorithm),
         series_instance_uid=generate_uid(),
@@ -181,6 +190,14 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         content_creator_name=None,
         content_description=f"Segmentation of series {first.SeriesInstanceUID}"[:64],
     )
+
+
+def _frames_shape(source: list[Dataset]) -> tuple[int, int, int] | None:
+    """(images, rows, columns) of single-frame source images, the shape a label map over them has; None when
+    there are multi-frame ones (highdicom matches their frames itself)."""
+    if not source or any(int(dataset.get("NumberOfFrames", 1) or 1) != 1 for dataset in source):
+        return None
+    return len(source), int(source[0].Rows), int(source[0].Columns)
 
 
 def _with_type2_attributes(dataset: Dataset) -> Dataset:
