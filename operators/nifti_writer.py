@@ -21,7 +21,7 @@ class NiftiWriterOperator(Operator):
             DICOMSeriesToVolumeOperator's `Image` (converted as BundleInferenceOperator converts it).
         A label map of another shape than the volume is refused, naming both shapes.
 
-    Named output (may be left unconnected):
+    Named output (may be left unconnected; no back-pressure, as the SegWriterOperator's):
         nifti_path: Path of the written file.
     """
 

@@ -10,7 +10,7 @@ from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
 from pydicom.dataset import Dataset
 
 from medserve.bundle.predictor import BundlePredictor
-from medserve.dicom.volume import LoadedSeries
+from medserve.dicom.volume import LoadedSeries, datasets_in_slice_order
 from medserve.pipeline import SEG_NAME, segmentation_of
 from medserve.writers.labels import label_array
 from medserve.writers.seg import write_seg
@@ -27,12 +27,14 @@ class SegWriterOperator(Operator):
             `Image` holding one (as stock inference operators emit it).
         source: what it was computed on (geometry, referenced instances, patient/study attributes), either
             - the `LoadedSeries` from our SeriesToVolumeOperator, or
-            - the SDK's List[StudySelectedSeries] (stock or our selector's `study_selected_series_list`) once the
-              stock DICOMSeriesToVolumeOperator has sorted its instances into the volume's slice order; the first
-              selected series is referenced, as the stock DICOMSegmentationWriterOperator does.
+            - the SDK's List[StudySelectedSeries] (the stock or our selector's `study_selected_series_list`): its
+              first selected series is referenced, as the stock DICOMSegmentationWriterOperator does, with the
+              label map's slices in volume order (ascending along the slice normal, as both to-volume operators
+              stack them).
         A label map that does not fit the source's images is refused, naming both shapes.
 
-    Named output (may be left unconnected, as the stock writer has none):
+    Named output (may be left unconnected, as the stock writer has none; like the stock operators' optional
+    outputs it has no back-pressure: one message per run, as apps with a CountCondition(1) loader send):
         seg_path: Path of the written file (written under a temporary name, then renamed).
     """
 
@@ -58,14 +60,18 @@ class SegWriterOperator(Operator):
 
 def source_images(source: Any) -> LoadedSeries | list[Dataset]:
     """The `source` input as `segmentation_of` takes it: our LoadedSeries as it is; an SDK selection as its first
-    selected series' datasets, in the series' instance order (the stock volume's slice order once the stock
-    DICOMSeriesToVolumeOperator has run). Anything else is a TypeError naming what was expected."""
+    selected series' datasets in volume order (ascending along the slice normal, the order of the stock
+    DICOMSeriesToVolumeOperator's Image and of ours), whether or not the stock operator has sorted them yet.
+
+    A series that does not form a volume is a VolumeError; an empty selection a ValueError; anything else a
+    TypeError naming what was expected.
+    """
     if isinstance(source, LoadedSeries):
         return source
-    if isinstance(source, list) and source and all(isinstance(s, StudySelectedSeries) for s in source):
-        if not source[0].selected_series:
-            raise ValueError("SEG writer source: the SDK selection's first study has no selected series")
+    if isinstance(source, list) and all(isinstance(s, StudySelectedSeries) for s in source):
+        if not source or not source[0].selected_series:
+            raise ValueError("SEG writer source: the SDK selection holds no selected series")
         series = source[0].selected_series[0].series
-        return [instance.get_native_sop_instance() for instance in series.get_sop_instances()]
+        return datasets_in_slice_order([instance.get_native_sop_instance() for instance in series.get_sop_instances()])
     raise TypeError(f"SEG writer source: expected a LoadedSeries (SeriesToVolumeOperator) or the SDK's "
                     f"List[StudySelectedSeries]; got {type(source).__module__}.{type(source).__qualname__}")

@@ -31,7 +31,7 @@ class SeriesSelectorOperator(Operator):
     Named input:
         study_index: a StudyIndex from DicomLoaderOperator.
 
-    Named outputs (connect either or both):
+    Named outputs (connect either or both; no back-pressure, as the stock selector's: one message per run):
         selected_series: list of `medserve.dicom.select.SelectedSeries`, in selection order.
         study_selected_series_list: with `sdk_selection=True`, the same selection as the SDK's
             List[StudySelectedSeries] (pixel data deferred: read from the files on access), for stock operators

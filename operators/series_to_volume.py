@@ -18,7 +18,8 @@ class SeriesToVolumeOperator(Operator):
     Named input:
         selected_series: list of SelectedSeries from SeriesSelectorOperator.
 
-    Named outputs (connect any of them; one left unconnected does not hold the operator back):
+    Named outputs (connect any of them; one left unconnected does not hold the operator back. As the stock
+    operators' optional outputs, they have no back-pressure: one message per run):
         volume: `highdicom.Volume`, array (slice, row, column), LPS affine.
         source: `medserve.dicom.volume.LoadedSeries`: the series, its volume and its instances in slice order
             (what the SEG writer references).

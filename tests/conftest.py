@@ -50,8 +50,8 @@ def zoo_bundle(tmp_path_factory):
             target = tmp_path_factory.mktemp("zoo") / name
             shutil.copytree(MODEL_ZOO / name, target)
             torch.manual_seed(0)
-            config = next(target / "configs" / name for name in INFERENCE_CONFIG_NAMES
-                          if (target / "configs" / name).is_file())  # the zoo publishes JSON and YAML configs
+            config = next(target / "configs" / config_name for config_name in INFERENCE_CONFIG_NAMES
+                          if (target / "configs" / config_name).is_file())  # the zoo publishes JSON and YAML
             network = network_from_config(config)
             (target / "models").mkdir(exist_ok=True)
             torch.save(network.state_dict(), target / "models" / "model.pt")

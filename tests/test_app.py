@@ -194,7 +194,7 @@ def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, demo_
 
 
 # Runs the app's main() with one function replaced by one that raises: a fault of ours (RuntimeError), or the
-# environment's (OSError: the disk is full).
+# environment's (OSError: the disk is full); or, for an operator's compute, by one that emits nothing ("silent").
 _BROKEN_APP = """
 import errno, importlib, importlib.util, sys
 module_name, attribute, kind, app_path = sys.argv[1:5]
@@ -205,6 +205,11 @@ owner = importlib.import_module(module_name)
 for name in attribute.split(".")[:-1]:
     owner = getattr(owner, name)
 def broken(*args, **kwargs):
+    if kind == "silent":  # an operator's compute that takes its inputs and emits nothing
+        operator, op_input = args[:2]
+        for name in operator.spec.inputs:
+            op_input.receive(name)
+        return
     if kind == "OSError":
         raise OSError(errno.ENOSPC, "No space left on device")
     raise RuntimeError("disk on fire")
@@ -233,6 +238,19 @@ def test_an_internal_failure_is_one_line_exit_1_and_nothing_written_is_left(tmp_
     assert completed.returncode == 1, completed.stderr
     assert f"error: internal error in operator {operator}: RuntimeError: disk on fire" in completed.stderr
     assert "Traceback" not in completed.stderr + completed.stdout
+    assert "wrote" not in completed.stdout
+    assert not out.exists()
+
+
+def test_a_graph_that_stops_without_writing_its_results_is_an_error(tmp_path, demo_study):
+    """An operator that emits nothing leaves those waiting on it unscheduled: Holoscan ends the run without an
+    error. The NIfTI beside the missing SEG must not be left as a complete result, nor the exit be 0."""
+    out = tmp_path / "out"
+    completed = run_broken_app(tmp_path, demo_study[0], "operators.seg_writer", "SegWriterOperator.compute",
+                               "silent", out)
+    assert completed.returncode == 1, completed.stderr
+    assert ("error: internal error in the application: RuntimeError: the graph finished without writing seg.dcm"
+            in completed.stderr), completed.stderr
     assert "wrote" not in completed.stdout
     assert not out.exists()
 

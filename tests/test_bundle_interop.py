@@ -35,17 +35,23 @@ SQUARE = (0.8, 0.8)
 NON_SQUARE = (0.7, 0.9)  # PixelSpacing: between rows, between columns
 
 
-def stock_pipeline(folder: Path, affine_lps_to_ras: bool = True) -> tuple[Image, list]:
-    """The stock loader -> selector -> to-volume operators, called outside a graph (as bench_pipeline does):
-    the Image and the selection (its instances sorted into the Image's slice order by the to-volume step)."""
+def stock_selection(folder: Path) -> list:
+    """The stock loader -> selector, called outside a graph: the series' instances in the loader's order."""
     from monai.deploy.operators.dicom_data_loader_operator import DICOMDataLoaderOperator
     from monai.deploy.operators.dicom_series_selector_operator import DICOMSeriesSelectorOperator
-    from monai.deploy.operators.dicom_series_to_volume_operator import DICOMSeriesToVolumeOperator
 
     fragment = Fragment()
     studies = DICOMDataLoaderOperator(fragment, name="loader").load_data_to_studies(folder)
-    selection = DICOMSeriesSelectorOperator(fragment, name="selector").filter(None, studies)
-    to_volume = DICOMSeriesToVolumeOperator(fragment, affine_lps_to_ras=affine_lps_to_ras, name="to_volume")
+    return DICOMSeriesSelectorOperator(fragment, name="selector").filter(None, studies)
+
+
+def stock_pipeline(folder: Path, affine_lps_to_ras: bool = True) -> tuple[Image, list]:
+    """The stock loader -> selector -> to-volume operators, called outside a graph (as bench_pipeline does):
+    the Image and the selection (its instances sorted into the Image's slice order by the to-volume step)."""
+    from monai.deploy.operators.dicom_series_to_volume_operator import DICOMSeriesToVolumeOperator
+
+    selection = stock_selection(folder)
+    to_volume = DICOMSeriesToVolumeOperator(Fragment(), affine_lps_to_ras=affine_lps_to_ras, name="to_volume")
     return to_volume.convert_to_image(selection), selection
 
 
@@ -234,6 +240,27 @@ def test_our_seg_writer_writes_onto_the_stock_selection(tmp_path, threshold_bund
     np.testing.assert_array_equal(back.array, label_map)
 
 
+def test_our_seg_writer_puts_each_slice_on_its_image_of_an_unsorted_stock_selection(tmp_path, threshold_bundle):
+    """The stock loader and selector alone leave the series in file order; the label map (here from our own
+    volume) is in volume order, and the writer must match them up by position."""
+    folder = write_series(tmp_path / "series", "oblique", NON_SQUARE, shape=(8, 24, 28))
+    selection = stock_selection(folder)
+    datasets = [i.get_native_sop_instance() for i in selection[0].selected_series[0].series.get_sop_instances()]
+    orientation = np.array(datasets[0].ImageOrientationPatient, dtype=float)
+    distances = [float(np.dot(np.cross(orientation[:3], orientation[3:]), d.ImagePositionPatient)) for d in datasets]
+    assert distances != sorted(distances)  # the files' order is shuffled: otherwise this test could not fail
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    volume = our_load(folder)
+    label_map = predictor.predict(volume)
+    assert len({tuple(np.flatnonzero(plane)) for plane in label_map}) > 1  # slices differ: order matters
+    fragment = Fragment()
+    writer = SegWriterOperator(fragment, output_folder=tmp_path / "out", predictor=predictor, name="seg_writer")
+    writer.compute(Receiver(label_map=label_map, source=selection), Emitter(), None)
+    assert run_record(fragment).failure is None
+    back = hd.seg.segread(tmp_path / "out" / "seg.dcm").get_volume(combine_segments=True)
+    np.testing.assert_array_equal(back.match_geometry(volume, tol=1e-3).array, label_map)
+
+
 def test_our_nifti_writer_takes_the_stock_image_as_its_volume(tmp_path, threshold_bundle):
     folder = write_series(tmp_path / "series", "oblique", NON_SQUARE, shape=(8, 24, 28))
     label_map, image, _ = stock_label_map(folder, BundlePredictor.from_dir(threshold_bundle, device="cpu"))
@@ -251,6 +278,7 @@ def test_our_nifti_writer_takes_the_stock_image_as_its_volume(tmp_path, threshol
                                    r"\(images, rows, columns\) has \(8, 24, 28\)$"),
     ("not_a_selection", TypeError, r"^SEG writer source: expected a LoadedSeries \(SeriesToVolumeOperator\) or "
                                    r"the SDK's List\[StudySelectedSeries\]; got builtins.dict$"),
+    ("empty_selection", ValueError, r"^SEG writer source: the SDK selection holds no selected series$"),
     ("probabilities", ValueError, r"^label map has dtype float32 with fractional values; expected whole-number "
                                   r"labels"),
 ])
@@ -259,7 +287,7 @@ def test_our_seg_writer_refuses_what_does_not_fit_and_writes_nothing(tmp_path, t
     folder = write_series(tmp_path / "series", "axial", SQUARE, shape=(8, 24, 28))
     predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
     label_map, _, selection = stock_label_map(folder, predictor)
-    source = {"selection": selection} if damage == "not_a_selection" else selection
+    source = {"not_a_selection": {"selection": selection}, "empty_selection": []}.get(damage, selection)
     sent = {"one_slice_less": label_map[1:], "probabilities": label_map * np.float32(0.5)}.get(damage, label_map)
     fragment = Fragment()
     writer = SegWriterOperator(fragment, output_folder=tmp_path / "out", predictor=predictor, name="seg_writer")
@@ -355,7 +383,8 @@ def test_graphs_of_stock_operators_and_ours_write_the_right_seg(tmp_path, thresh
     [seg_path] = out.glob("*.dcm")
     errors = dciodvfy_errors(seg_path)
     if composition == "stock_writer":  # the stock writer's Contributing Equipment item has an empty Manufacturer
-        errors.remove("Error - Empty attribute (no value) Type 1 Required Element=<Manufacturer> Module=<SOPCommon>")
+        stock_error = "Error - Empty attribute (no value) Type 1 Required Element=<Manufacturer> Module=<SOPCommon>"
+        errors = [error for error in errors if error != stock_error]
     assert errors == []
     back = hd.seg.segread(seg_path).get_volume(combine_segments=True).match_geometry(volume, tol=1e-3)
     np.testing.assert_array_equal(back.array, expected)

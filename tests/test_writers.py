@@ -166,14 +166,17 @@ def test_a_failed_write_leaves_neither_the_file_nor_its_partial(tmp_path, error,
 
 # ---- label maps from elsewhere: checked where they reach a writer -------------------------------------------
 
-@pytest.mark.parametrize("values,dtype", [
-    (np.array([0, 1, 2], dtype=np.float32), np.uint16),  # MONAI's AsDiscrete leaves labels as floats
-    (np.array([0, 300, 65535], dtype=np.int64), np.uint16),
-    (np.array([False, True]), np.uint16),
-])
-def test_label_maps_of_whole_numbers_become_unsigned_labels(values, dtype):
+@pytest.mark.parametrize("values", [
+    np.array([0, 1, 2], dtype=np.float32),  # MONAI's AsDiscrete leaves labels as floats
+    np.array([0, 1, 60000], dtype=np.float16),
+    np.array([0, 300, 65535], dtype=np.int64),
+    np.array([0, 7], dtype=np.int8),
+    np.array([0, 65535], dtype=np.uint32),
+    np.array([False, True]),
+], ids=lambda values: str(values.dtype))
+def test_label_maps_of_whole_numbers_become_uint16_labels(values):
     converted = label_array(values.reshape(1, 1, -1))
-    assert converted.dtype == dtype
+    assert converted.dtype == np.uint16
     np.testing.assert_array_equal(converted.ravel(), values.astype(np.int64))
 
 
@@ -184,16 +187,26 @@ def test_unsigned_label_maps_pass_through_uncopied():
 
 
 @pytest.mark.parametrize("value,message", [
-    (np.array([0.0, 0.5], dtype=np.float32).reshape(1, 1, 2), "dtype float32 with fractional values"),
-    (np.array([-1, 2]).reshape(1, 1, 2), "values -1..2 are outside the labels 0..65535"),
-    (np.array([0, 70000]).reshape(1, 1, 2), "values 0..70000 are outside the labels 0..65535"),
-    (np.zeros((3, 4), dtype=np.uint8), r"shape \(3, 4\); expected 3 dimensions \(slice, row, column\)"),
-    (np.zeros((1, 1, 2), dtype=np.complex64), "dtype complex64; expected integer labels"),
-    ([[[0, 1]]], "expected a numpy array or an SDK Image; got builtins.list"),
+    (np.array([0.0, 0.5], dtype=np.float32), "dtype float32 with fractional values"),
+    (np.array([0, np.inf], dtype=np.float16), "dtype float16 with NaN or infinite values"),
+    (np.array([0, np.nan]), "dtype float64 with NaN or infinite values"),
+    (np.array([-1, 2], dtype=np.int8), "values -1..2 are outside the labels 0..65535"),
+    (np.array([0, 70000], dtype=np.uint32), "values 0..70000 are outside the labels 0..65535"),
+    (np.array([0, 1], dtype="timedelta64[s]"), "dtype timedelta64.s.; expected integer labels"),
+    (np.zeros((1, 2), dtype=np.complex64), "dtype complex64; expected integer labels"),
 ])
-def test_what_is_not_a_label_map_is_refused_by_name(value, message):
-    with pytest.raises(ValueError, match=rf"^label map.*{message}"):
-        label_array(value)
+def test_values_that_are_not_labels_are_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=rf"^label map has {message}|^label map {message}"):
+        label_array(value.reshape(1, 1, -1))
+
+
+def test_what_is_not_a_3d_array_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"^label map has shape \(3, 4\); expected 3 dimensions "
+                                         r"\(slice, row, column\)$"):
+        label_array(np.zeros((3, 4), dtype=np.uint8))
+    with pytest.raises(TypeError, match=r"^label map: expected a numpy array or an SDK Image of one; "
+                                        r"got builtins.list$"):
+        label_array([[[0, 1]]])
 
 
 def test_writers_refuse_a_label_map_that_does_not_fit_their_source(tmp_path):

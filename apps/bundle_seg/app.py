@@ -22,6 +22,7 @@ from monai.deploy.conditions import CountCondition
 from medserve.bundle.predictor import BundlePredictor
 from medserve.errors import BundleError
 from medserve.logs import configure_logging
+from medserve.pipeline import NIFTI_NAME, SEG_NAME
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, ResultSummaryOperator,
                        SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
 from operators.failures import run_record
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         app.run()
     except Exception as error:  # noqa: BLE001 - input or internal, the run ends with one line (operators/failures)
         record.fail("the application", error)
+    missing = sorted({SEG_NAME, *([NIFTI_NAME] if args.nifti else [])} - {path.name for path in record.outputs})
+    if record.failure is None and missing:  # a graph whose operators stopped ticking ends without an error
+        record.fail("the application", RuntimeError(f"the graph finished without writing {', '.join(missing)}"))
     if record.failure is None:
         return 0
     record.remove_outputs()

@@ -19,6 +19,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import highdicom as hd
 import imagecodecs
@@ -111,6 +112,21 @@ def slice_affine(first: pydicom.Dataset, spacing: float) -> np.ndarray:
 def ordered_instances(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> list[Instance]:
     """The series' instances in volume order (slice index 0 first), as `load_series` stacks them."""
     return _volume_order(series, tolerance)[0]
+
+
+def datasets_in_slice_order(datasets: list[pydicom.Dataset],
+                            tolerance: SpacingTolerance = SpacingTolerance()) -> list[pydicom.Dataset]:
+    """Datasets of one series read elsewhere (the stock SDK loader's, say) in volume order, after the checks
+    `load_series` makes; VolumeError with the reason when they do not form a volume."""
+    if not datasets:
+        raise VolumeError("the series has no instances")
+    instances = [Instance(path=Path(str(getattr(dataset, "filename", None)
+                                        or f"SOP instance {dataset.get('SOPInstanceUID', '?')}")),
+                          dataset=dataset, pixel_data_offset=None) for dataset in datasets]
+    first = datasets[0]
+    series = Series(study_uid=str(first.get("StudyInstanceUID", "")),
+                    series_uid=str(first.get("SeriesInstanceUID", "")), instances=instances)
+    return [instance.dataset for instance in ordered_instances(series, tolerance)]
 
 
 def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Instance], float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import highdicom as hd
 import nibabel as nib
@@ -13,12 +14,13 @@ from medserve.writers.files import atomic_output
 from medserve.writers.labels import label_array
 
 
-def write_nifti(label_map: np.ndarray, volume: hd.Volume, path: Path) -> Path:
-    """Write `label_map` (same shape as `volume.array`) to `path` (.nii or .nii.gz) atomically.
+def write_nifti(label_map: Any, volume: hd.Volume, path: Path) -> Path:
+    """Write `label_map` (an array, or an SDK Image of one, of `volume.array`'s shape) to `path` (.nii or .nii.gz)
+    atomically.
 
     A label map that is not whole-number labels or not of the volume's shape is a ValueError naming both."""
     values = label_array(label_map, volume.spatial_shape, fits="the volume")
-    image = nib.Nifti1Image(np.ascontiguousarray(values.transpose(2, 1, 0)).astype(np.uint16), ras_affine(volume))
+    image = nib.Nifti1Image(np.ascontiguousarray(values.transpose(2, 1, 0), dtype=np.uint16), ras_affine(volume))
     image.header.set_xyzt_units("mm")
     image.set_qform(image.affine, code=1)
     image.set_sform(image.affine, code=1)

@@ -161,8 +161,9 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
     """A BINARY Segmentation of `label_map`: an array with one frame per `source` dataset in that order, or a
     Volume that highdicom maps onto the source frames by position (multi-frame sources).
 
-    A label map that is not whole-number labels, or whose shape does not fit the source images, is a ValueError
-    naming both shapes (see `medserve.writers.labels`)."""
+    A label map that is not whole-number labels is a ValueError, and so is an array whose shape does not fit
+    single-frame source images, naming both shapes (see `medserve.writers.labels`); highdicom checks an array
+    against multi-frame sources itself."""
     if isinstance(label_map, hd.Volume):
         values = label_array(label_map.array)
         pixels: np.ndarray | hd.Volume = label_map.with_array(values)
@@ -194,7 +195,7 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
 
 def _frames_shape(source: list[Dataset]) -> tuple[int, int, int] | None:
     """(images, rows, columns) of single-frame source images, the shape a label map over them has; None when
-    there are multi-frame ones (highdicom matches their frames itself)."""
+    there are multi-frame ones (highdicom checks a label map against their frames)."""
     if not source or any(int(dataset.get("NumberOfFrames", 1) or 1) != 1 for dataset in source):
         return None
     return len(source), int(source[0].Rows), int(source[0].Columns)
