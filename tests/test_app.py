@@ -183,6 +183,33 @@ def test_bad_input_exits_non_zero_with_a_clear_message_and_no_output(tmp_path, d
     assert not out.exists() or not any(out.iterdir())
 
 
+def test_all_matched_sorted_by_instance_count_segments_the_largest_match(tmp_path, demo_study):
+    """With rules, the first match in study order is used (a scout that sorts first), as the stock selector does;
+    --all-matched --sort-by-sop-instance-count, the stock's way to prefer the largest, takes the full series."""
+    from medserve.demo.study import SeriesGeometry, write_ct_series
+
+    folder, written, phantom = demo_study
+    study = tmp_path / "study"
+    shutil.copytree(folder, study / "b_full")
+    geometry = SeriesGeometry(pixel_spacing=phantom.spacing[1:], slice_spacing=phantom.spacing[0])
+    scout = write_ct_series(phantom.hu[:16], study / "a_scout", geometry, study_uid=written.study_uid,
+                            series_description="Scout")
+    rules = json.dumps({"selections": [{"name": "ct", "conditions": {"Modality": "CT"}}]})
+    for flags, expected in [((), scout.series_uid),
+                            (("--all-matched", "--sort-by-sop-instance-count"), written.series_uid)]:
+        out = tmp_path / f"out{len(flags)}"
+        completed = run_app("-i", study, "-o", out, "-m", DEMO_BUNDLE, "--rules", rules, *flags)
+        assert completed.returncode == 0, completed.stderr
+        seg = pydicom.dcmread(out / "seg.dcm")
+        assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == expected, flags
+
+    refused = run_app("-i", study, "-o", tmp_path / "refused", "-m", DEMO_BUNDLE, "--rules", rules,
+                      "--sort-by-sop-instance-count")
+    assert refused.returncode == 2
+    assert "error: --sort-by-sop-instance-count orders the matches of --all-matched; pass both" in refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+
 def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, demo_study):
     out = tmp_path / "out"
     out.write_text("not a folder")

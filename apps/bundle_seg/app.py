@@ -1,6 +1,7 @@
 """bundle_seg: segment a DICOM study with any MONAI segmentation bundle and write a DICOM SEG and a NIfTI map.
 
-    python apps/bundle_seg/app.py -i DICOM_DIR -o OUT_DIR -m BUNDLE_DIR [--rules RULES.json] [--device cpu]
+    python apps/bundle_seg/app.py -i DICOM_DIR -o OUT_DIR -m BUNDLE_DIR [--rules RULES.json [--all-matched
+        [--sort-by-sop-instance-count]]] [--device cpu]
 
 or, as inside a MAP, with HOLOSCAN_INPUT_PATH / HOLOSCAN_OUTPUT_PATH / HOLOSCAN_MODEL_PATH set. The model path
 is a bundle folder, or a folder holding exactly one bundle folder (a MAP's /opt/holoscan/models).
@@ -45,9 +46,12 @@ def resolve_bundle(model_path: Path) -> Path:
 class BundleSegApp(Application):
     """DICOM folder -> series -> volume -> bundle inference -> DICOM SEG + NIfTI."""
 
-    def __init__(self, *args, rules: str | None = None, device: str | None = None, nifti: bool = True,
+    def __init__(self, *args, rules: str | None = None, all_matched: bool = False,
+                 sort_by_sop_instance_count: bool = False, device: str | None = None, nifti: bool = True,
                  verbosity: int = 0, **kwargs):
         self.rules = rules
+        self.all_matched = all_matched
+        self.sort_by_sop_instance_count = sort_by_sop_instance_count
         self.verbosity = verbosity
         self.device = device
         self.nifti = nifti
@@ -61,7 +65,9 @@ class BundleSegApp(Application):
         predictor = BundlePredictor.from_dir(resolve_bundle(Path(context.model_path)), self.device)
 
         loader = DicomLoaderOperator(self, CountCondition(self, 1), input_folder=input_path, name="dicom_loader")
-        selector = SeriesSelectorOperator(self, rules=self.rules, name="series_selector")
+        selector = SeriesSelectorOperator(self, rules=self.rules, all_matched=self.all_matched,
+                                          sort_by_sop_instance_count=self.sort_by_sop_instance_count,
+                                          name="series_selector")
         to_volume = SeriesToVolumeOperator(self, name="series_to_volume")
         inference = BundleInferenceOperator(self, predictor=predictor, name="bundle_inference")
         seg_writer = SegWriterOperator(self, output_folder=output_path, predictor=predictor, name="seg_writer")
@@ -88,6 +94,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("-o", "--output", type=Path, help="output folder (default: $HOLOSCAN_OUTPUT_PATH)")
     parser.add_argument("-m", "--model", type=Path, help="bundle folder (default: $HOLOSCAN_MODEL_PATH)")
     parser.add_argument("--rules", help="series selection rules: a JSON file or string (stock selector format)")
+    parser.add_argument("--all-matched", action="store_true",
+                        help="as the stock selector's all_matched: every series a selection matches, not the first")
+    parser.add_argument("--sort-by-sop-instance-count", action="store_true",
+                        help="with --all-matched, the matches largest first (so the largest one is segmented)")
     parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--no-nifti", dest="nifti", action="store_false", help="write the DICOM SEG only")
     parser.add_argument("-l", "--log-level", default=None, help="DEBUG, INFO, WARNING (default) or ERROR")
@@ -98,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     verbosity = {"DEBUG": 2, "INFO": 1}.get(str(args.log_level).upper(), 0)
     configure_logging(verbosity)
+    if args.sort_by_sop_instance_count and not args.all_matched:
+        print("error: --sort-by-sop-instance-count orders the matches of --all-matched; pass both (as the stock "
+              "selector's sort_by_sop_instance_count applies only with all_matched)", file=sys.stderr)
+        return 2
     for name, variable in _PATH_VARIABLES.items():
         value = getattr(args, name)
         if value is not None:
@@ -119,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # The SDK reads the paths from the environment; its own argv parser must not see our flags.
     sdk_log_level = {0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
-    app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules, device=args.device,
-                       nifti=args.nifti, verbosity=verbosity)
+    app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules,
+                       all_matched=args.all_matched, sort_by_sop_instance_count=args.sort_by_sop_instance_count,
+                       device=args.device, nifti=args.nifti, verbosity=verbosity)
     record = run_record(app)
     try:
         app.run()
