@@ -66,6 +66,7 @@ def test_model_zoo_configs_run_unchanged(zoo_bundle, name):
     label_map = predictor.predict(volume)
     assert label_map.shape == volume.array.shape
     assert label_map.dtype == np.uint16
+    assert label_map.flags.c_contiguous  # slices contiguous: what the SEG and NIfTI writers read fast
     assert label_map.max() <= labels
     # Loaded once, reused: a second call on another volume works with the same objects.
     other, _ = phantom_volume(shape=(20, 40, 44), seed=2)
@@ -82,6 +83,19 @@ def test_prediction_lands_on_the_source_voxels_for_any_orientation(tmp_path, ori
     volume, _ = phantom_volume(spacing=(3.0, 1.5, 1.75), orientation=ORIENTATIONS[orientation], bone=False)
     label_map = predictor.predict(volume)
     assert dice(label_map, volume.array > THRESHOLD_HU) > 0.93
+
+
+def test_any_array_layout_gives_the_same_label_map(threshold_bundle):
+    """Volumes arrive read-only, flipped (negative strides, as a multi-frame source's) or as float64: torch cannot
+    wrap those; the prediction must not depend on it."""
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    volume, _ = phantom_volume(bone=False)
+    expected = predictor.predict(volume)
+    flipped = np.ascontiguousarray(volume.array[::-1])[::-1]  # same values, negative slice stride
+    read_only = volume.array.copy()
+    read_only.flags.writeable = False
+    for array in (flipped, read_only, volume.array.astype(np.float64)):
+        np.testing.assert_array_equal(predictor.predict(volume.with_array(array)), expected)
 
 
 def test_real_ct_prediction_overlaps_its_threshold(threshold_bundle, real_ct):

@@ -269,16 +269,20 @@ class BundlePredictor:
 
     def _as_loaded_image(self, volume: hd.Volume) -> MetaTensor:
         """The volume as LoadImaged gives it: (X, Y, Z) = (column, row, slice) with a RAS affine."""
-        array = np.asarray(volume.array, dtype=np.float32).transpose(2, 1, 0)
+        array = volume.array
+        if array.dtype != np.float32 or not array.flags.writeable or min(array.strides) < 0:
+            array = np.ascontiguousarray(array, dtype=np.float32)  # what torch can wrap: writable, strides >= 0
+        # torch's permuted copy is blocked and threaded: about 1 s for a 512x512x300 volume on 2 cores, where
+        # numpy's ascontiguousarray of the transposed view took 2.5 s (the same tensor).
+        tensor = torch.from_numpy(array).permute(2, 1, 0).contiguous()
         affine = ras_affine(volume)
         meta = {
             "original_affine": affine,
-            "spatial_shape": np.asarray(array.shape),
+            "spatial_shape": np.asarray(tensor.shape),
             "space": "RAS",
             "original_channel_dim": "no_channel",
             "filename_or_obj": "volume",
         }
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
         if not self._expects_channel_first:
             tensor = tensor.unsqueeze(0)
             meta["original_channel_dim"] = 0
@@ -290,15 +294,19 @@ class BundlePredictor:
             values = values.argmax(axis=0)  # the bundle left class scores: take the winning class
         elif values.ndim == 4:
             values = values[0]
-        values = values.transpose(2, 1, 0)
-        if values.shape != tuple(shape):
-            raise BundleError(f"bundle {self.name}: postprocessing returned shape {values.shape[::-1]} (X, Y, Z); "
+        if values.shape[::-1] != tuple(shape):
+            raise BundleError(f"bundle {self.name}: postprocessing returned shape {values.shape} (X, Y, Z); "
                               f"expected the input's {tuple(shape)[::-1]}: does its postprocessing invert the "
                               f"preprocessing (Invertd)?")
         if values.size and (values.min() < 0 or values.max() > MAX_LABEL):
             raise BundleError(f"bundle {self.name}: label values {values.min()}..{values.max()} are outside "
                               f"0..{MAX_LABEL}")
-        return np.rint(values).astype(np.uint16)
+        if values.dtype.kind == "f":
+            values = np.rint(values)
+        # (slice, row, column) in C order: highdicom cuts frames as slices and the NIfTI writer writes the transpose
+        # as it lies. Writing the SEG and NIfTI of a 512x512x300 map took 4.0 s from the transposed view, 2.0 s
+        # from a C-ordered copy, the copy included.
+        return values.transpose(2, 1, 0).astype(np.uint16, order="C")
 
 
 def _error_chain(error: BaseException) -> list[BaseException]:
