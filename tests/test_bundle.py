@@ -85,10 +85,17 @@ def test_prediction_lands_on_the_source_voxels_for_any_orientation(tmp_path, ori
     assert dice(label_map, volume.array > THRESHOLD_HU) > 0.93
 
 
-def test_any_array_layout_gives_the_same_label_map(threshold_bundle):
+def test_any_array_layout_gives_the_same_label_map(threshold_bundle, monkeypatch):
     """Volumes arrive read-only, flipped (negative strides, as a multi-frame source's) or as float64: torch cannot
     wrap those; the prediction must not depend on it."""
     predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    from_numpy = torch.from_numpy
+
+    def wrap_writable_only(array):
+        assert array.flags.writeable, "torch was handed a read-only array"
+        return from_numpy(array)
+
+    monkeypatch.setattr(torch, "from_numpy", wrap_writable_only)
     volume, _ = phantom_volume(bone=False)
     expected = predictor.predict(volume)
     flipped = np.ascontiguousarray(volume.array[::-1])[::-1]  # same values, negative slice stride

@@ -4,7 +4,9 @@ The bundle's own config is the recipe. `monai.bundle.ConfigParser` parses it onc
 before parsing: file loading and saving transforms are removed (the volume arrives in memory, results leave
 in memory) and `bundle_root`/`device` are set. The volume is fed as a MetaTensor whose affine is its real RAS
 affine, exactly what `LoadImaged` would have produced from a file, so the bundle's orientation and spacing
-transforms, and `Invertd` in its postprocessing, bring the prediction back into the source geometry.
+transforms, and `Invertd` in its postprocessing, bring the prediction back into the source geometry. The
+postprocessing runs as configured; only its torch.argmax is answered by a faster torch kernel that gives the same
+indices (`medserve.bundle.argmax`).
 
 What a user can get wrong is a BundleError: a device this machine lacks (checked when the predictor is created),
 and any failure of the bundle's own preprocessing, network/inferer or postprocessing on a volume (named with
@@ -28,6 +30,7 @@ import torch
 from monai.bundle import ConfigParser
 from monai.data import MetaTensor
 
+from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from medserve.bundle.layout import BundleLayout
 from medserve.dicom.volume import lps_affine, ras_affine
 from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
@@ -239,7 +242,7 @@ class BundlePredictor:
             with self._stage(f"network/inferer ({type(self.inferer).__name__})", shape):
                 data[self.output_key] = self.infer_tensor(image.unsqueeze(0))[0].to("cpu")
             if self.postprocessing is not None:
-                with self._stage("postprocessing", shape):
+                with self._stage("postprocessing", shape), MaxIndicesArgmax():
                     data = self.postprocessing(data)
         return self._label_map(data[self.output_key], shape)
 
@@ -271,7 +274,7 @@ class BundlePredictor:
         """The volume as LoadImaged gives it: (X, Y, Z) = (column, row, slice) with a RAS affine."""
         array = volume.array
         if array.dtype != np.float32 or not array.flags.writeable or min(array.strides) < 0:
-            array = np.ascontiguousarray(array, dtype=np.float32)  # what torch can wrap: writable, strides >= 0
+            array = np.array(array, dtype=np.float32, order="C")  # a copy torch can wrap: writable, strides >= 0
         # torch's permuted copy is blocked and threaded: about 1 s for a 512x512x300 volume on 2 cores, where
         # numpy's ascontiguousarray of the transposed view took 2.5 s (the same tensor).
         tensor = torch.from_numpy(array).permute(2, 1, 0).contiguous()
@@ -289,11 +292,13 @@ class BundlePredictor:
         return MetaTensor(tensor, affine=torch.as_tensor(affine, dtype=torch.float64), meta=meta)
 
     def _label_map(self, prediction: Any, shape: tuple[int, ...]) -> np.ndarray:
-        values = prediction.detach().cpu().numpy() if isinstance(prediction, torch.Tensor) else np.asarray(prediction)
-        if values.ndim == 4 and values.shape[0] > 1:
-            values = values.argmax(axis=0)  # the bundle left class scores: take the winning class
-        elif values.ndim == 4:
-            values = values[0]
+        scores = (prediction.detach().cpu() if isinstance(prediction, torch.Tensor)
+                  else torch.as_tensor(np.require(prediction, requirements="W")))
+        if scores.ndim == 4 and scores.shape[0] > 1:
+            scores = class_indices(scores)  # the bundle left class scores: take the winning class
+        elif scores.ndim == 4:
+            scores = scores[0]
+        values = scores.numpy()
         if values.shape[::-1] != tuple(shape):
             raise BundleError(f"bundle {self.name}: postprocessing returned shape {values.shape} (X, Y, Z); "
                               f"expected the input's {tuple(shape)[::-1]}: does its postprocessing invert the "
