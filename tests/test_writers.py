@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import highdicom as hd
@@ -18,6 +20,7 @@ from medserve.dicom.volume import load_series
 from medserve.errors import OutputError
 from medserve.writers.files import atomic_output
 from medserve.writers.labels import label_array
+from medserve.writers import seg as seg_module
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, segment_concept, write_seg
 from tests.conftest import dciodvfy_errors
@@ -136,8 +139,17 @@ def test_nifti_has_the_source_geometry(tmp_path):
     assert not list(tmp_path.glob(".*partial*"))
 
 
+def test_importing_the_seg_writer_leaves_highdicom_as_it_is():
+    """The benchmark's stock SEG writer runs in a process that imports medserve: it must get highdicom unchanged."""
+    code = ("import highdicom._standard_utils as u, medserve.writers.seg, medserve.pipeline; "
+            "print(hasattr(u.is_attribute_in_iod, 'uncached'))")
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == "False"
+
+
 def test_cached_iod_lookup_answers_as_highdicom_does():
-    cached = standard_utils.is_attribute_in_iod  # replaced when medserve.writers.seg is imported
+    seg_module._cache_iod_attribute_lookup()  # what the first build_seg does
+    cached = standard_utils.is_attribute_in_iod
     uncached = cached.uncached
     ct, seg = "1.2.840.10008.5.1.4.1.1.2", "1.2.840.10008.5.1.4.1.1.66.4"
     for attribute, sop_class, excluded in [("PerFrameFunctionalGroupsSequence", ct, None),

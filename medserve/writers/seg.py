@@ -59,7 +59,8 @@ def _cache_iod_attribute_lookup() -> None:
     image when it builds a SEG from a series (`is_multiframe_image`): 0.1-0.2 s of a 300-slice SEG. The answer
     depends only on the arguments (the tables are constants of the installed highdicom), so a cache is exact.
     Only callers that look it up through `highdicom._standard_utils` (as `is_multiframe_image` does) see the
-    cache; modules that imported the function by name keep the uncached one.
+    cache; modules that imported the function by name keep the uncached one. The first `build_seg` installs it,
+    not the import of this module: a process that only imports medserve leaves highdicom as it is.
     """
     lookup = hd_standard_utils.is_attribute_in_iod
     if hasattr(lookup, "uncached"):
@@ -77,9 +78,6 @@ def _cache_iod_attribute_lookup() -> None:
 
     is_attribute_in_iod.uncached = lookup  # type: ignore[attr-defined]
     hd_standard_utils.is_attribute_in_iod = is_attribute_in_iod
-
-
-_cache_iod_attribute_lookup()
 
 
 @dataclass(frozen=True)
@@ -172,6 +170,7 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
                                       fits="the source series (images, rows, columns)")
     numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
     first = _with_type2_attributes(source[0])
+    _cache_iod_attribute_lookup()
     return hd.seg.Segmentation(
         source_images=[first, *source[1:]],
         pixel_array=pixels,
