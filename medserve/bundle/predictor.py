@@ -262,12 +262,12 @@ class BundlePredictor:
             if memory == "gpu":
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()  # leave the device usable for the next, smaller, request
-                raise InferenceOutOfMemory(f"{where}: out of GPU memory on {self.device} ({_cause(error)}); free GPU "
-                                  f"memory, lower the inferer's sw_batch_size/roi_size, or use device cpu") \
-                    from error
+                raise InferenceOutOfMemory(f"{where}: out of GPU memory on {self.device} ({_cause(error)}); "
+                                           f"free GPU memory, lower the inferer's sw_batch_size/roi_size, or use "
+                                           f"device cpu") from error
             if memory == "host":
-                raise InferenceOutOfMemory(f"{where}: out of host memory ({_cause(error)}); use a machine with more "
-                                  f"memory or a smaller volume") from error
+                raise InferenceOutOfMemory(f"{where}: out of host memory ({_cause(error)}); use a machine with "
+                                           f"more memory or a smaller volume") from error
             raise InferenceError(f"{where}: {_cause(error)}") from error
 
     def _as_loaded_image(self, volume: hd.Volume) -> MetaTensor:
