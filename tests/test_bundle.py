@@ -289,6 +289,46 @@ def test_postprocessing_failure_is_reported_as_such(tmp_path):
         BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
 
 
+def appended_to_postprocessing(step):
+    """An edit that runs `step` (a transform config, or a "$..." callable) after the bundle's AsDiscreted."""
+    def edit(config):
+        transforms = config["postprocessing"]["transforms"]
+        transforms.insert(transforms.index(next(t for t in transforms if t["_target_"] == "AsDiscreted")) + 1, step)
+    return edit
+
+
+@pytest.mark.parametrize("step,expected", [
+    ({"_target_": "DeleteItemsd", "keys": "pred"},
+     r"postprocessing left no 'pred' \(keys: image\); expected the label map or class scores under the output named "
+     r"in the metadata's network_data_format.outputs"),
+    ("$lambda d: [d]", r"postprocessing returned a list; expected a dict holding the prediction under 'pred'"),
+    ("$lambda d: {**d, 'pred': 'labels'}",
+     r"postprocessing left 'pred' as builtins.str of dtype <U6; expected a tensor or array of labels or class scores"),
+    ("$lambda d: {**d, 'pred': None}", r"postprocessing left 'pred' as builtins.NoneType of dtype object; expected"),
+    ("$lambda d: {**d, 'pred': [[1, 2], [3]]}", r"postprocessing left 'pred' as builtins.list; expected a tensor"),
+    ("$lambda d: {**d, 'pred': d['pred'] * float('nan')}",
+     r"postprocessing returned NaN or infinite values in 'pred'; expected labels"),
+    ("$lambda d: {**d, 'pred': d['pred'] / 0.0}", r"postprocessing returned NaN or infinite values in 'pred'"),
+], ids=["key-removed", "not-a-dict", "string", "none", "ragged-list", "nan", "infinite"])
+def test_postprocessing_output_that_is_not_a_label_map_is_refused_saying_what_it_is(tmp_path, step, expected):
+    bundle = edited_bundle(tmp_path / "odd_output", appended_to_postprocessing(step))
+    with pytest.raises(InferenceError, match=r"^bundle odd_output: " + expected):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
+
+
+@pytest.mark.parametrize("step", [
+    "$lambda d: {**d, 'pred': d['pred'].numpy()[..., ::-1].copy()[..., ::-1]}",
+    "$lambda d: {**d, 'pred': d['pred'].numpy().astype('float32')}",
+    "$lambda d: {**d, 'pred': (lambda a: (a.setflags(write=False), a)[1])(d['pred'].numpy().copy())}",
+], ids=["negative-strides", "float32", "read-only"])
+def test_numpy_predictions_give_the_tensor_prediction(tmp_path, threshold_bundle, step, recwarn):
+    volume, _ = phantom_volume()
+    expected = BundlePredictor.from_dir(threshold_bundle, device="cpu").predict(volume)
+    bundle = edited_bundle(tmp_path / "numpy_output", appended_to_postprocessing(step))
+    np.testing.assert_array_equal(BundlePredictor.from_dir(bundle, device="cpu").predict(volume), expected)
+    assert not [w for w in recwarn if "not writable" in str(w.message)]  # torch shares only arrays it may write
+
+
 class Raising(torch.nn.Module):
     def __init__(self, error):
         super().__init__()

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -244,7 +244,7 @@ class BundlePredictor:
             if self.postprocessing is not None:
                 with self._stage("postprocessing", shape), MaxIndicesArgmax():
                     data = self.postprocessing(data)
-        return self._label_map(data[self.output_key], shape)
+        return self._label_map(self._prediction(data), shape)
 
     @contextlib.contextmanager
     def _stage(self, stage: str, shape: tuple[int, ...]) -> Iterator[None]:
@@ -272,9 +272,7 @@ class BundlePredictor:
 
     def _as_loaded_image(self, volume: hd.Volume) -> MetaTensor:
         """The volume as LoadImaged gives it: (X, Y, Z) = (column, row, slice) with a RAS affine."""
-        array = volume.array
-        if array.dtype != np.float32 or not array.flags.writeable or min(array.strides) < 0:
-            array = np.array(array, dtype=np.float32, order="C")  # a copy torch can wrap: writable, strides >= 0
+        array = _wrappable(volume.array, np.float32)
         # torch's permuted copy is blocked and threaded: about 1 s for a 512x512x300 volume on 2 cores, where
         # numpy's ascontiguousarray of the transposed view took 2.5 s (the same tensor).
         tensor = torch.from_numpy(array).permute(2, 1, 0).contiguous()
@@ -291,9 +289,35 @@ class BundlePredictor:
             meta["original_channel_dim"] = 0
         return MetaTensor(tensor, affine=torch.as_tensor(affine, dtype=torch.float64), meta=meta)
 
-    def _label_map(self, prediction: Any, shape: tuple[int, ...]) -> np.ndarray:
-        scores = (prediction.detach().cpu() if isinstance(prediction, torch.Tensor)
-                  else torch.as_tensor(np.require(prediction, requirements="W")))
+    def _prediction(self, data: Any) -> torch.Tensor:
+        """What the postprocessing left under the output key, as a CPU tensor.
+
+        A bundle whose postprocessing drops the key, or leaves something that is not numbers under it, is an
+        InferenceError saying what it left instead.
+        """
+        where = f"bundle {self.name}: postprocessing"
+        if not isinstance(data, Mapping):
+            raise InferenceError(f"{where} returned a {type(data).__qualname__}; expected a dict holding the "
+                                 f"prediction under '{self.output_key}'")
+        if self.output_key not in data:
+            raise InferenceError(f"{where} left no '{self.output_key}' (keys: {', '.join(map(str, data))}); expected "
+                                 f"the label map or class scores under the output named in the metadata's "
+                                 f"network_data_format.outputs")
+        prediction = data[self.output_key]
+        if isinstance(prediction, torch.Tensor):
+            return prediction.detach().cpu()
+        try:
+            array = np.asarray(prediction)
+        except ValueError:  # ragged sequences
+            array = None
+        if array is None or array.dtype.kind not in "biuf":
+            raise InferenceError(f"{where} left '{self.output_key}' as {type(prediction).__module__}."
+                                 f"{type(prediction).__qualname__}"
+                                 f"{f' of dtype {array.dtype}' if array is not None else ''}; expected a tensor "
+                                 f"or array of labels or class scores")
+        return torch.from_numpy(_wrappable(array))
+
+    def _label_map(self, scores: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
         if scores.ndim == 4 and scores.shape[0] > 1:
             scores = class_indices(scores)  # the bundle left class scores: take the winning class
         elif scores.ndim == 4:
@@ -303,6 +327,9 @@ class BundlePredictor:
             raise BundleError(f"bundle {self.name}: postprocessing returned shape {values.shape} (X, Y, Z); "
                               f"expected the input's {tuple(shape)[::-1]}: does its postprocessing invert the "
                               f"preprocessing (Invertd)?")
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            raise InferenceError(f"bundle {self.name}: postprocessing returned NaN or infinite values in "
+                                 f"'{self.output_key}'; expected labels")
         if values.size and (values.min() < 0 or values.max() > MAX_LABEL):
             raise BundleError(f"bundle {self.name}: label values {values.min()}..{values.max()} are outside "
                               f"0..{MAX_LABEL}")
@@ -312,6 +339,14 @@ class BundlePredictor:
         # as it lies. Writing the SEG and NIfTI of a 512x512x300 map took 4.0 s from the transposed view, 2.0 s
         # from a C-ordered copy, the copy included.
         return values.transpose(2, 1, 0).astype(np.uint16, order="C")
+
+
+def _wrappable(array: np.ndarray, dtype: np.dtype | type | None = None) -> np.ndarray:
+    """`array` (as `dtype`) in a form `torch.from_numpy` can share: as it is when writable with non-negative
+    strides, else a C-ordered copy."""
+    if (dtype is not None and array.dtype != dtype) or not array.flags.writeable or min(array.strides, default=0) < 0:
+        return np.array(array, dtype=dtype, order="C")
+    return array
 
 
 def _error_chain(error: BaseException) -> list[BaseException]:
