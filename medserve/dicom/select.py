@@ -253,6 +253,8 @@ def select_series(index: StudyIndex, rules: str | Path | dict[str, Any] | None =
     selections = (loaded or DEFAULT_RULES)["selections"]
     selected: list[SelectedSeries] = []
     for study in index.studies:
+        # The stock StudySelectedSeries groups a study's matches by selection name, in order of first use.
+        by_name: dict[str, list[SelectedSeries]] = {}
         views = [_SeriesView(series, study) for series in study.series]
         if loaded is None:
             # Our default: larger series first, so that the first match is the full acquisition, not a scout.
@@ -271,7 +273,10 @@ def select_series(index: StudyIndex, rules: str | Path | dict[str, Any] | None =
                         break
             if sort_by_sop_instance_count and len(found) > 1:
                 found.sort(key=lambda v: v.sop_instance_count, reverse=True)
-            selected.extend(SelectedSeries(name=name or v.series.series_uid, series=v.series) for v in found)
+            for view in found:
+                chosen = name or view.series.series_uid
+                by_name.setdefault(chosen, []).append(SelectedSeries(name=chosen, series=view.series))
+        selected.extend(match for matches in by_name.values() for match in matches)
     if not selected:
         raise SelectionError(
             f"no series in {index.root} matches the selection rules {json.dumps(selections)}; "
