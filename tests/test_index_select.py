@@ -81,6 +81,26 @@ def test_corrupt_dicom_header_is_refused_naming_the_file(tmp_path):
         index_folder(tmp_path)
 
 
+def test_symbolic_links_to_folders_are_followed_once_and_broken_links_skipped(two_series_study, tmp_path_factory):
+    linked = tmp_path_factory.mktemp("linked")
+    (linked / "study").symlink_to(two_series_study, target_is_directory=True)
+    (linked / "again").symlink_to(two_series_study / "a", target_is_directory=True)  # the same folder twice
+    (two_series_study / "scout" / "loop").symlink_to(linked, target_is_directory=True)  # a link back up the tree
+    (linked / "gone.dcm").symlink_to(linked / "nowhere.dcm")
+    index = index_folder(linked)
+    assert sorted(len(s.instances) for s in index.all_series) == [3, 16]
+    assert (linked / "gone.dcm", "broken symbolic link") in index.skipped
+
+
+def test_image_without_sop_instance_uid_is_refused_naming_the_file(two_series_study):
+    victim = sorted((two_series_study / "scout").iterdir())[1]
+    dataset = pydicom.dcmread(victim)
+    del dataset.SOPInstanceUID
+    dataset.save_as(victim)
+    with pytest.raises(DicomInputError, match=rf"^{victim}: SOPInstanceUID is missing"):
+        index_folder(two_series_study)
+
+
 def test_default_rules_pick_the_largest_ct_series(two_series_study):
     [choice] = select_series(index_folder(two_series_study))
     assert choice.series.description == "Abdomen 3mm"

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 import highdicom as hd
+import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
 from pydicom.data import get_testdata_file
 from pydicom.encaps import encapsulate, generate_frames
-from pydicom.uid import DeflatedExplicitVRLittleEndian, JPEG2000Lossless, RLELossless
+from pydicom.filebase import DicomFileLike
+from pydicom.filewriter import write_dataset, write_file_meta_info
+from pydicom.uid import (DeflatedExplicitVRLittleEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
+                         JPEG2000Lossless, RLELossless)
 
 import medserve.dicom.index as index_module
 from medserve.demo.phantom import make_phantom
@@ -20,6 +25,7 @@ from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import load_series, ras_affine, series_to_volume
 from medserve.errors import DicomInputError, VolumeError
+from medserve.pipeline import volume_from_nifti
 
 
 def volume_of(folder: Path) -> hd.Volume:
@@ -346,3 +352,118 @@ def test_the_first_series_volume_is_built_in_memory_prepared_while_indexing(tmp_
     np.testing.assert_array_equal(first, second)
     first[:] = 0
     assert np.any(second != 0)
+
+
+def _rewrite_body(path: Path, implicit_vr: bool) -> None:
+    """Rewrite a file's body in the other VR encoding than its file meta's transfer syntax says (as some writers
+    in the wild do); pydicom reads such files by looking at the body."""
+    dataset = pydicom.dcmread(path)
+    body = pydicom.Dataset()
+    body.update(dataset)
+    with path.open("wb") as stream:
+        stream.write(b"\0" * 128 + b"DICM")
+        writer = DicomFileLike(stream)
+        write_file_meta_info(writer, dataset.file_meta, enforce_standard=True)
+        writer.is_little_endian, writer.is_implicit_VR = True, implicit_vr
+        write_dataset(writer, body)
+
+
+@pytest.mark.parametrize("meta_syntax,body_implicit", [(ImplicitVRLittleEndian, False),
+                                                        (ExplicitVRLittleEndian, True)],
+                         ids=["explicit-body-implicit-meta", "implicit-body-explicit-meta"])
+def test_a_body_encoded_otherwise_than_its_transfer_syntax_gives_the_right_pixels(tmp_path, phantom, meta_syntax,
+                                                                                   body_implicit):
+    written = _write(tmp_path, phantom)
+    reference = volume_of(tmp_path).array.copy()
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.file_meta.TransferSyntaxUID = meta_syntax
+        dataset.save_as(path, enforce_file_format=True)
+        _rewrite_body(path, body_implicit)
+    assert pydicom.dcmread(written.paths[0]).file_meta.TransferSyntaxUID == meta_syntax
+    np.testing.assert_array_equal(volume_of(tmp_path).array, reference)
+
+
+def _edit_every_file(written, edit) -> None:
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        edit(dataset)
+        dataset.save_as(path)
+
+
+def _drop(keyword):
+    return lambda dataset: delattr(dataset, keyword)
+
+
+def _set(keyword, value):
+    return lambda dataset: setattr(dataset, keyword, value)
+
+
+def _two_frames_of_pixel_data(dataset):
+    dataset.PixelData = dataset.PixelData * 2
+
+
+@pytest.mark.parametrize("edit,message", [
+    (_set("PixelSpacing", ["0", "0"]), r"PixelSpacing \[0.0, 0.0\]: expected two positive spacings"),
+    (_set("ImageOrientationPatient", [2, 0, 0, 0, 2, 0]), r"ImageOrientationPatient \[2.0, 0.0, 0.0, 0.0, 2.0, "
+                                                          r"0.0\]: expected two orthogonal unit vectors"),
+    (_set("ImageOrientationPatient", [1, 0, 0, 0.1, 1, 0]), r"expected two orthogonal unit vectors"),
+    (_set("ImagePositionPatient", ["nan", "0", "0"]), r"ImagePositionPatient \[nan, 0.0, 0.0\]: expected finite"),
+    (_set("Rows", 0), r"Rows is 0; expected at least 1"),
+    (_drop("BitsAllocated"), r"BitsAllocated is missing; the pixels cannot be read without it"),
+    (_drop("PixelRepresentation"), r"PixelRepresentation is missing"),
+    (_set("BitsStored", 20), r"BitsStored 20 does not fit BitsAllocated 16; expected 1 to 16"),
+    (_set("RescaleSlope", "0"), r"RescaleSlope 0.0 / RescaleIntercept -1024.0: expected a finite, non-zero slope"),
+    (_set("RescaleIntercept", "inf"), r"RescaleIntercept inf: expected a finite"),
+    (_two_frames_of_pixel_data, r"pixel data holds \d+ bytes; Rows x Columns x BitsAllocated/8 is \d+: more than "
+                                r"one frame"),
+], ids=["zero-pixel-spacing", "unnormalised-orientation", "skewed-orientation", "nan-position", "zero-rows",
+        "no-bits-allocated", "no-pixel-representation", "bits-stored-above-allocated", "zero-slope",
+        "infinite-intercept", "two-frames-of-pixels"])
+def test_headers_that_do_not_describe_a_volume_are_refused_naming_the_file(tmp_path, phantom, edit, message):
+    written = _write(tmp_path, phantom)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pydicom warns about the invalid values it is asked to write
+        _edit_every_file(written, edit)
+    with pytest.raises(VolumeError, match=r"IM\d+\.dcm: .*" + message):
+        volume_of(tmp_path)
+
+
+def test_an_enhanced_object_of_one_frame_is_read_as_multi_frame(tmp_path, phantom):
+    single = tmp_path / "single"
+    write_ct_series(phantom.hu[:1], single)
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=[pydicom.dcmread(p) for p in single.iterdir()], series_instance_uid=pydicom.uid.generate_uid(),
+        series_number=3, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    assert enhanced.NumberOfFrames == 1
+    (tmp_path / "multi").mkdir()
+    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    series = index_folder(tmp_path / "multi").all_series[0]
+    assert series.is_multiframe
+    np.testing.assert_array_equal(series_to_volume(series).array, volume_of(single).array)
+
+
+# ---- NIfTI volumes (the server's other input) ------------------------------------------------------------------
+
+NIFTI_AFFINE = np.array([[-0.8, 0, 0, 100], [0, -0.8, 0, 90], [0, 0, 2.5, -40], [0, 0, 0, 1]])
+
+
+def test_a_nifti_volume_keeps_its_voxels_and_affine(tmp_path):
+    voxels = np.arange(4 * 5 * 6, dtype=np.float32).reshape(4, 5, 6)  # (X, Y, Z)
+    nib.save(nib.Nifti1Image(voxels, NIFTI_AFFINE), tmp_path / "ct.nii.gz")
+    volume = volume_from_nifti(tmp_path / "ct.nii.gz")
+    np.testing.assert_array_equal(volume.array, voxels.transpose(2, 1, 0))
+    np.testing.assert_allclose(ras_affine(volume), NIFTI_AFFINE)
+
+
+@pytest.mark.parametrize("affine", [np.zeros((4, 4)), np.where(np.eye(4) == 1, np.nan, 0.0),
+                                    NIFTI_AFFINE + np.array([[0, 0.5, 0, 0], [0] * 4, [0] * 4, [0] * 4])],
+                         ids=["zero", "nan", "sheared"])
+def test_a_nifti_affine_that_is_no_voxel_grid_is_refused_naming_the_file(tmp_path, affine):
+    image = nib.Nifti1Image(np.zeros((4, 5, 6), np.float32), None)
+    image.header.set_qform(None, code=0)
+    image.header.set_sform(affine, code=2)
+    nib.save(image, tmp_path / "bad.nii")
+    with pytest.raises(DicomInputError, match=rf"^{tmp_path / 'bad.nii'}: NIfTI affine .* is not a rotation and "
+                                              r"scaling of the voxel grid"):
+        volume_from_nifti(tmp_path / "bad.nii")

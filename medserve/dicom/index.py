@@ -28,6 +28,8 @@ log = logging.getLogger("medserve.dicom.index")
 MEDIA_STORAGE_DIRECTORY_STORAGE = "1.2.840.10008.1.3.10"
 # Enough for the header of a typical CT/MR slice (a few kB) with room for private tags.
 _HEADER_CHUNK_BYTES = 32768
+# An Enhanced (multi-frame) object carries its frames' geometry here, even when it holds a single frame.
+_FUNCTIONAL_GROUPS = ("SharedFunctionalGroupsSequence", "PerFrameFunctionalGroupsSequence")
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,11 @@ class Instance:
     @property
     def number_of_frames(self) -> int:
         return int(self.dataset.get("NumberOfFrames", 1) or 1)
+
+    @property
+    def is_multiframe(self) -> bool:
+        """A multi-frame object: several frames, or an Enhanced object (functional groups) with any number."""
+        return self.number_of_frames > 1 or any(keyword in self.dataset for keyword in _FUNCTIONAL_GROUPS)
 
 
 @dataclass
@@ -72,7 +79,7 @@ class Series:
 
     @property
     def is_multiframe(self) -> bool:
-        return len(self.instances) == 1 and self.instances[0].number_of_frames > 1
+        return len(self.instances) == 1 and self.instances[0].is_multiframe
 
     def summary(self) -> str:
         return (
@@ -145,7 +152,7 @@ def index_folder(folder: Path | str) -> StudyIndex:
         raise DicomInputError(f"input folder {root} does not exist")
     if not root.is_dir():
         raise DicomInputError(f"input {root} is not a folder: expected a folder of DICOM files")
-    paths = sorted(Path(dirpath) / name for dirpath, _, names in os.walk(root) for name in names)
+    paths = sorted(_files_under(root))
     if not paths:
         raise DicomInputError(f"input folder {root} is empty: expected DICOM files")
 
@@ -167,6 +174,9 @@ def index_folder(folder: Path | str) -> StudyIndex:
                                       f"SeriesInstanceUID missing)")
             _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
             continue
+        if not uid_value(dataset, "SOPInstanceUID"):
+            # Every result references its source images by this UID (a SEG cannot be written without it).
+            raise DicomInputError(f"{path}: SOPInstanceUID is missing; every DICOM image must have one")
         series = series_by_uid.get(series_uid)
         if series is None:
             series = series_by_uid[series_uid] = Series(study_uid=study_uid, series_uid=series_uid)
@@ -185,12 +195,32 @@ def index_folder(folder: Path | str) -> StudyIndex:
     return StudyIndex(root=root, studies=list(studies.values()), skipped=skipped)
 
 
+def _files_under(root: Path) -> list[Path]:
+    """Every file under `root`, following symbolic links to folders (mounted volumes often are), each real
+    folder once."""
+    files: list[Path] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:
+            dirnames.clear()  # a link back up the tree, or a second link to the same folder
+            continue
+        seen.add(real)
+        files.extend(Path(dirpath) / name for name in names)
+    return files
+
+
 def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | None:
     try:
         instance = read_header(path)
     except InvalidDicomError:
         _skip(skipped, path, "not a DICOM file")
         return None
+    except OSError as error:
+        if not path.exists():
+            _skip(skipped, path, "broken symbolic link")
+            return None
+        raise DicomInputError(f"{path}: cannot be read ({error.strerror or error})") from error
     except Exception as error:  # pydicom raises many types on damaged files
         if _has_dicom_preamble(path):
             raise DicomInputError(f"{path}: corrupt DICOM file ({type(error).__name__}: {error})") from error

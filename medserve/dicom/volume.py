@@ -16,6 +16,7 @@ already faulted in while the folder was indexed when the series is the first one
 from __future__ import annotations
 
 import logging
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ log = logging.getLogger("medserve.dicom.volume")
 # Read from the stored offset. Deflated Explicit VR (1.2.840.10008.1.2.1.99) is not here: its Pixel Data is
 # inside the deflated stream, so pydicom reads it whole.
 _NATIVE_LITTLE_ENDIAN = {ImplicitVRLittleEndian, ExplicitVRLittleEndian}
+_PIXEL_DATA_VRS = (b"OB", b"OW", b"UN")
 _ORIENTATION_TOLERANCE = 1e-4
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
@@ -133,7 +135,7 @@ def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Ins
     """Instances in volume order and the slice spacing, after checking the series' geometry."""
     if series.is_multiframe:
         return list(series.instances), 0.0
-    multiframe = [instance for instance in series.instances if instance.number_of_frames > 1]
+    multiframe = [instance for instance in series.instances if instance.is_multiframe]
     if multiframe:
         raise VolumeError(f"series {series.series_uid} has {len(series.instances)} instances of which "
                           f"{len(multiframe)} are multi-frame (e.g. {multiframe[0].path}); expected one "
@@ -156,6 +158,8 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
             if dataset.get(keyword) is None:
                 raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every "
                                   f"slice")
+            if int(dataset.get(keyword)) <= 0:
+                raise VolumeError(f"{instance.path}: {keyword} is {dataset.get(keyword)}; expected at least 1")
         if int(dataset.get("SamplesPerPixel", 1)) != 1:
             raise VolumeError(f"{instance.path}: SamplesPerPixel is {dataset.SamplesPerPixel}; expected 1 "
                               f"(greyscale CT/MR)")
@@ -167,7 +171,7 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
                                             ("PixelSpacing", 2, _SPACING_TOLERANCE_MM, "pixel spacings")):
             stored = stored_bytes(dataset, keyword)
             if keyword not in reference:
-                reference[keyword] = (stored, np.asarray(_geometry_values(instance, keyword, count)))
+                reference[keyword] = (stored, _checked_reference(instance, keyword, count))
                 continue
             first_stored, first_values = reference[keyword]
             if stored is not None and stored == first_stored:
@@ -179,6 +183,22 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
     return positions, reference["ImageOrientationPatient"][1]
 
 
+def _checked_reference(instance: Instance, keyword: str, count: int) -> np.ndarray:
+    """The first slice's PixelSpacing (both positive) or ImageOrientationPatient (two orthogonal unit vectors),
+    which every other slice is compared with."""
+    values = np.asarray(_geometry_values(instance, keyword, count))
+    if keyword == "PixelSpacing" and values.min() <= 0:
+        raise VolumeError(f"{instance.path}: PixelSpacing {values.tolist()}: expected two positive spacings (mm)")
+    if keyword == "ImageOrientationPatient":
+        row, column = values[:3], values[3:]
+        if (abs(np.linalg.norm(row) - 1) > _ORIENTATION_TOLERANCE * 10
+                or abs(np.linalg.norm(column) - 1) > _ORIENTATION_TOLERANCE * 10
+                or abs(row @ column) > _ORIENTATION_TOLERANCE):
+            raise VolumeError(f"{instance.path}: ImageOrientationPatient {values.tolist()}: expected two orthogonal "
+                              f"unit vectors (row and column direction cosines)")
+    return values
+
+
 def _geometry_values(instance: Instance, keyword: str, count: int) -> tuple[float, ...]:
     try:
         values = decimal_values(instance.dataset, keyword)
@@ -188,6 +208,8 @@ def _geometry_values(instance: Instance, keyword: str, count: int) -> tuple[floa
         raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every slice")
     if len(values) != count:
         raise VolumeError(f"{instance.path}: {keyword} has {len(values)} values; expected {count}")
+    if not all(math.isfinite(value) for value in values):
+        raise VolumeError(f"{instance.path}: {keyword} {list(values)}: expected finite numbers")
     return values
 
 
@@ -248,32 +270,52 @@ def _read_pixels_into(instances: list[Instance], array: np.ndarray) -> None:
 
 def _pixel_dtype(instance: Instance) -> np.dtype:
     dataset = instance.dataset
+    for keyword in ("BitsAllocated", "PixelRepresentation"):
+        if dataset.get(keyword) is None:
+            raise VolumeError(f"{instance.path}: {keyword} is missing; the pixels cannot be read without it")
     bits = int(dataset.BitsAllocated)
     if bits not in (8, 16, 32):
         raise VolumeError(f"{instance.path}: BitsAllocated {bits} is not supported; expected 8, 16 or 32")
+    stored = int(dataset.get("BitsStored") or bits)
+    if not 0 < stored <= bits:
+        raise VolumeError(f"{instance.path}: BitsStored {stored} does not fit BitsAllocated {bits}; expected 1 to "
+                          f"{bits}")
     kind = "i" if int(dataset.PixelRepresentation) == 1 else "u"
     return np.dtype(f"<{kind}{bits // 8}")
 
 
-def _pixel_value(instance: Instance) -> tuple[int, bytes]:
-    """The Pixel Data element's declared length and the bytes after its header, read from the stored offset."""
+def _pixel_value(instance: Instance, expected: int | None = None) -> tuple[int, bytes]:
+    """The Pixel Data element's declared length and the bytes after its header, read from the stored offset.
+
+    The header is read as it is written, not as the transfer syntax says: files whose body is Explicit VR under
+    an Implicit VR transfer syntax (or the reverse) exist, and pydicom reads their headers either way. After
+    the tag, an Explicit VR header has the VR (OB, OW or UN) and two zero bytes, then the length; an Implicit VR
+    one has the length. Only when that length is the `expected` one does an Explicit-looking header count as
+    Implicit (its length's low bytes spelling a VR).
+    """
     if instance.pixel_data_offset is None:
         raise VolumeError(f"{instance.path}: no Pixel Data element")
-    syntax = uid_value(instance.dataset.file_meta, "TransferSyntaxUID")
-    header_bytes = 8 if syntax == ImplicitVRLittleEndian else 12
     with instance.path.open("rb") as stream:
-        stream.seek(instance.pixel_data_offset + header_bytes - 4)
-        declared = int.from_bytes(stream.read(4), "little")
-        return declared, stream.read()
+        stream.seek(instance.pixel_data_offset + 4)
+        header = stream.read(8)
+        implicit_length = int.from_bytes(header[:4], "little")
+        explicit = header[:2] in _PIXEL_DATA_VRS and header[2:4] == b"\0\0"
+        if explicit and (expected is None or implicit_length not in (expected, expected + 1)):
+            return int.from_bytes(header[4:8], "little"), stream.read()
+        stream.seek(instance.pixel_data_offset + 8)
+        return implicit_length, stream.read()
 
 
 def _read_native_slice(instance: Instance, out: np.ndarray) -> None:
     dtype = _pixel_dtype(instance)
     expected = out.size * dtype.itemsize
-    declared, value = _pixel_value(instance)
+    declared, value = _pixel_value(instance, expected)
     if declared < expected or len(value) < expected:
         raise VolumeError(f"{instance.path}: pixel data is truncated ({min(len(value), declared)} of "
                           f"{expected} bytes)")
+    if declared > expected + 1:  # one byte of padding to an even length is allowed
+        raise VolumeError(f"{instance.path}: pixel data holds {declared} bytes; Rows x Columns x BitsAllocated/8 "
+                          f"is {expected}: more than one frame, or Rows/Columns/BitsAllocated are wrong")
     raw = _mask_stored_bits(instance.dataset, np.frombuffer(value, dtype=dtype, count=out.size))
     _rescale_into(instance.dataset, raw.reshape(out.shape), out)
 
@@ -326,13 +368,24 @@ def _rescale_into(dataset: pydicom.Dataset, pixels: np.ndarray, out: np.ndarray)
     The integers are cast into `out` first and scaled there: numpy's plain cast loop plus float32 arithmetic on
     the cache-warm slice take 0.6x the time of one mixed-type ufunc, which casts through a small buffer.
     """
-    slope = np.float32(_first_decimal(dataset, "RescaleSlope") or 1.0)
-    intercept = np.float32(_first_decimal(dataset, "RescaleIntercept") or 0.0)
+    slope, intercept = _rescale(dataset)
     np.copyto(out, pixels, casting="unsafe")
     if slope != 1.0:
         out *= slope
     if intercept != 0.0:
         out += intercept
+
+
+def _rescale(dataset: pydicom.Dataset) -> tuple[np.float32, np.float32]:
+    """(RescaleSlope, RescaleIntercept), 1 and 0 when absent; a zero or non-finite one is a VolumeError."""
+    slope = _first_decimal(dataset, "RescaleSlope")
+    intercept = _first_decimal(dataset, "RescaleIntercept")
+    slope = 1.0 if slope is None else slope
+    intercept = 0.0 if intercept is None else intercept
+    if slope == 0.0 or not math.isfinite(slope) or not math.isfinite(intercept):
+        raise VolumeError(f"{dataset.filename}: RescaleSlope {slope} / RescaleIntercept {intercept}: expected a "
+                          f"finite, non-zero slope and a finite intercept")
+    return np.float32(slope), np.float32(intercept)
 
 
 def _first_decimal(dataset: pydicom.Dataset, keyword: str) -> float | None:
