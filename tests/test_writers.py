@@ -94,6 +94,19 @@ def test_seg_works_when_the_source_lacks_optional_patient_attributes(tmp_path):
     assert dciodvfy_errors(path) == []
 
 
+def test_long_names_and_backslashes_become_valid_single_values(tmp_path):
+    series, volume = study(tmp_path / "study")
+    long_name, long_version = "bundle_" + "x" * 70, "1." * 40
+    seg = build_seg(multi_label(volume), volume.source_datasets, {1: "core\\rim", 2: "y" * 80},
+                    Algorithm(long_name, long_version))
+    path = write_seg(seg, tmp_path / "seg.dcm")
+    assert dciodvfy_errors(path) == []
+    back = hd.seg.segread(path)
+    assert [d.SegmentLabel for d in back.SegmentSequence][:2] == ["core/rim", "y" * 64]
+    algorithm = back.SegmentSequence[0].SegmentationAlgorithmIdentificationSequence[0]
+    assert (algorithm.AlgorithmName, algorithm.AlgorithmVersion) == (long_name[:64], long_version[:64])
+
+
 ANATOMY, ABNORMAL, OBJECT, TISSUE = ("91723000", "49755003", "260787004", "85756007")  # CID 7150 categories
 
 

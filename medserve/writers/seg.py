@@ -138,14 +138,15 @@ def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[s
 
 def segment_descriptions(labels: dict[int, str], numbers: list[int], algorithm: Algorithm) -> list[hd.seg.SegmentDescription]:
     identification = hd.AlgorithmIdentificationSequence(
-        name=algorithm.name, version=algorithm.version or "0", family=codes.cid7162.ArtificialIntelligence)
+        name=_long_string(algorithm.name), version=_long_string(algorithm.version or "0"),
+        family=codes.cid7162.ArtificialIntelligence)
     descriptions = []
     for number in numbers:
         label = labels.get(number, f"label {number}")
         category, kind = segment_concept(label)
         descriptions.append(hd.seg.SegmentDescription(
             segment_number=number,
-            segment_label=label[:64],
+            segment_label=_long_string(label),
             segmented_property_category=category,
             segmented_property_type=kind,
             algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
@@ -181,15 +182,20 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         sop_instance_uid=generate_uid(),
         instance_number=1,
         manufacturer="medserve",
-        manufacturer_model_name=algorithm.name[:64],
+        manufacturer_model_name=_long_string(algorithm.name),
         software_versions=f"medserve {medserve.__version__}",
         device_serial_number="0",
-        series_description=f"{algorithm.name} segmentation"[:64],
+        series_description=_long_string(f"{algorithm.name} segmentation"),
         content_label="SEGMENTATION",
         omit_empty_frames=True,
         content_creator_name=None,
-        content_description=f"Segmentation of series {first.SeriesInstanceUID}"[:64],
+        content_description=_long_string(f"Segmentation of series {first.SeriesInstanceUID}"),
     )
+
+
+def _long_string(text: str) -> str:
+    """`text` as one DICOM LO value: a backslash would split it into several values, and LO holds 64 characters."""
+    return text.replace("\\", "/")[:64]
 
 
 def _frames_shape(source: list[Dataset]) -> tuple[int, int, int] | None:
