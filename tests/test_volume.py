@@ -236,6 +236,18 @@ def test_irregular_spacing_is_refused(tmp_path, phantom):
         volume_of(tmp_path)
 
 
+def test_a_tilted_stack_is_refused_saying_so(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        z = float(dataset.ImagePositionPatient[2])
+        dataset.ImagePositionPatient[1] = float(dataset.ImagePositionPatient[1]) + 0.2 * z  # 11 degrees of tilt
+        dataset.save_as(path)
+    with pytest.raises(VolumeError, match=r"not stacked along their normal: their positions shift by up to "
+                                          r"\d+\.\d+ mm within the slice plane \(a gantry tilt"):
+        volume_of(tmp_path)
+
+
 def test_mixed_orientations_are_refused(tmp_path, phantom):
     written = _write(tmp_path, phantom)
     dataset = pydicom.dcmread(written.paths[3])

@@ -239,6 +239,12 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
             where = float(sorted_distances[int(np.argmax(gaps))])
             raise VolumeError(f"series is missing {missing} slice(s) (spacing {spacing_hint:.3f} mm; gap after "
                               f"{where:.3f} mm along the slice normal)")
+        in_plane = positions - np.outer(distances, normal)
+        shift = float(np.linalg.norm(in_plane - in_plane[np.argmin(distances)], axis=1).max())
+        if gaps.max() - gaps.min() <= tolerance.rtol * gaps.mean() and shift > tolerance.rtol * gaps.mean():
+            raise VolumeError(f"slices are not stacked along their normal: their positions shift by up to "
+                              f"{shift:.3f} mm within the slice plane (a gantry tilt or a sheared stack); expected "
+                              f"each ImagePositionPatient on the line through the first along the normal")
         raise VolumeError(f"slice spacing is irregular (between {gaps.min():.3f} and {gaps.max():.3f} mm, "
                           f"tolerance {tolerance.rtol:.0%}) or slices are not stacked along their normal")
     order = [0] * len(instances)
