@@ -15,12 +15,11 @@ from medserve.errors import PackagingError
 from medserve.packaging import engine, layout
 from medserve.packaging.config import read_app_config
 from medserve.packaging.context import BuildInputs, app_requirements, write_context
-from medserve.packaging.manifest import app_manifest, find_app, package_manifest, scan_models, sdk_versions
+from medserve.packaging.manifest import (PLATFORMS, app_manifest, find_app, package_manifest, scan_models,
+                                         sdk_versions)
 
 logger = logging.getLogger("medserve.packaging.build")
 
-PLATFORMS = {"x86_64": "linux/amd64", "sbsa": "linux/arm64", "igx-orin-devkit": "linux/arm64",
-             "jetson": "linux/arm64"}
 _STEP = re.compile(r"^(?:STEP|Step) (\d+)/(\d+)")
 _DOCKER_STEP = re.compile(r"^#\d+ \[(?:\S+ )?(\d+)/(\d+)\]")
 
@@ -73,7 +72,7 @@ def prepare(request: PackageRequest) -> BuildInputs:
     return BuildInputs(
         app=app, config=config, models=models,
         app_json=app_manifest(config, app, sdk_version),
-        pkg_json=package_manifest(config, models),
+        pkg_json=package_manifest(config, models, request.platform),
         tag=request.tag, base_image=request.base_image, variant=variant,
         holoscan_version=holoscan_version, sdk_version=sdk_version,
         wheel_dir=Path(request.wheel_dir) if request.wheel_dir else None,
@@ -82,7 +81,7 @@ def prepare(request: PackageRequest) -> BuildInputs:
 
 
 def _build_argv(builder: str, request: PackageRequest, containerfile: Path, context: Path) -> list[str]:
-    platform = PLATFORMS[request.platform]
+    platform = PLATFORMS[request.platform][0]
     if builder == "docker":
         argv = ["docker", "build", "--progress", "plain", "--platform", platform]
     else:

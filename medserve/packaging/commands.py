@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from medserve.packaging import layout
+from medserve.packaging.manifest import PLATFORMS
 
 logger = logging.getLogger("medserve.packaging.commands")
 
@@ -77,7 +78,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--config", type=Path, required=True, help="app.yaml (holoscan-cli 4.2 format)")
     p.add_argument("-t", "--tag", required=True, help="image name:tag")
     p.add_argument("-m", "--models", type=Path, help="model file, bundle directory or folder of models")
-    p.add_argument("--platform", default="x86_64", help="x86_64 (default), sbsa, igx-orin-devkit, jetson")
+    p.add_argument("--platform", default="x86_64", choices=list(PLATFORMS),
+                   help="as monai-deploy package: x86_64 (default), sbsa, igx-dgpu (dGPU); jetson, igx-igpu (iGPU)")
     p.add_argument("--base-image", default=layout.DEFAULT_BASE_IMAGE,
                    help="base image with bash, jq and python3.11 (default %(default)s, see "
                         "`python -m medserve.packaging.base`)")
@@ -106,10 +108,13 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("image")
     p.add_argument("-i", "--input", type=Path, help="input folder, mounted at the manifest's input path")
     p.add_argument("-o", "--output", type=Path, help="output folder (created if missing)")
-    p.add_argument("--gpus", help="'all' or a count; default: what pkg.json asks for, if the host has GPUs")
+    p.add_argument("--gpus", help="'all' or a number of GPUs; default: what pkg.json asks for, if the host has GPUs")
     p.add_argument("--config", type=Path, help="replace the packaged app.yaml")
     p.add_argument("--engine", choices=["auto", "podman", "docker"], default="auto")
-    p.add_argument("args", nargs="*", help="arguments passed to the app (after --)")
+    # nargs="+" made optional, not "*": argparse would take an empty "*" right after IMAGE and then refuse
+    # the arguments after `--` (`medserve run IMAGE -i IN -o OUT -- ARGS`).
+    app_args = p.add_argument("args", nargs="+", default=[], metavar="ARG", help="arguments passed to the app, after --")
+    app_args.required = False
     p.set_defaults(handler=_run)
 
     p = subparsers.add_parser("inspect", help="print a MAP's manifests and labels as JSON")

@@ -124,6 +124,11 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     version = application.get("version")
     if version is not None and not isinstance(version, (str, int, float)):
         raise PackagingError(f"{path}: application.version must be a string, got {version!r}")
+    if isinstance(version, float) and not version_override:
+        raise PackagingError(
+            f"{path}: application.version {version!r} was read by YAML as a number (1.10 becomes 1.1); "
+            f"quote it, e.g. version: \"{version}\""
+        )
     version = version_override or (str(version) if version is not None else None)
     if not version:
         raise PackagingError(f"{path}: required field application.version is missing (or pass --version)")

@@ -1,14 +1,13 @@
 """The Containerfile of a MAP: the official template's layout and ENV, with layers ordered for the cache.
 
 Order: Python environment (changes when pins change) -> medserve libraries -> models -> manifests and app
-(change on every release). The pip step bind-mounts pip/ from the context, so wheels and the CA bundle never
-become layers.
+(change on every release). The pip step bind-mounts pip/ from the context, so wheels, the CA bundle and
+pip.conf (the index URL, which may hold a token) never become layers or RUN lines.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from typing import TYPE_CHECKING
 
 from medserve.packaging import layout
@@ -18,22 +17,40 @@ if TYPE_CHECKING:
 
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 SITE = f"{layout.VENV_DIR}/lib/python3.11/site-packages"
+PIP_DIR = "/tmp/pip"  # where the pip step mounts the context's pip/
 
 
-def _pip_index_args(inputs: "BuildInputs") -> str:
+def pip_config(inputs: "BuildInputs", index_url: str | None, has_ca_bundle: bool) -> str:
+    """pip.conf of the pip step: the wheel directory only, or the index (and the PyTorch CPU index for the CPU
+    variant), with the host's CA bundle when there is one."""
+    lines = ["[global]"]
     if inputs.wheel_dir is not None:
-        return "--no-index --find-links /tmp/pip/wheels"
-    args = []
-    index = os.environ.get("PIP_INDEX_URL", "")
-    if index.startswith(("http://", "https://")):  # file:// indexes of the host do not exist in the build
-        args.append(f"--index-url {index}")
-    if inputs.variant == "cpu":
-        args.append(f"--extra-index-url {TORCH_CPU_INDEX}")
-    return " ".join(args)
+        lines += ["no-index = true", f"find-links = {PIP_DIR}/wheels"]
+    else:
+        if index_url is not None:
+            lines.append(f"index-url = {index_url}")
+        if inputs.variant == "cpu":
+            lines.append(f"extra-index-url = {TORCH_CPU_INDEX}")
+        if has_ca_bundle:
+            lines.append(f"cert = {PIP_DIR}/ca.crt")
+    return "\n".join(lines) + "\n"
 
 
 def _label(value: str) -> str:
-    return json.dumps(str(value))
+    """A LABEL value: JSON-quoted as text (not \\u escapes, which LABEL keeps literally), `$` not expanded."""
+    return json.dumps(str(value), ensure_ascii=False).replace("$", "\\$")
+
+
+def user_setup(uid: int, gid: int) -> str:
+    """Shell that creates the holoscan user as the official template does: a base image's user that holds the UID
+    (ubuntu's `ubuntu`, UID 1000) is removed, the group is added with `groupadd -f`, an existing holoscan
+    user is reused."""
+    return (
+        f'other=$(getent passwd {uid} | cut -d: -f1); '
+        f'if [ -n "$other" ] && [ "$other" != holoscan ]; then userdel -r "$other" 2>/dev/null || userdel "$other"; fi; '
+        f'groupadd -f -g {gid} holoscan; '
+        f'id -u holoscan >/dev/null 2>&1 || useradd -m -d /home/holoscan -s /bin/bash -g {gid} -u {uid} holoscan'
+    )
 
 
 def render(inputs: "BuildInputs", has_docs: bool, fingerprint: str) -> str:
@@ -68,16 +85,15 @@ RUN set -e; \\
     python3 -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "base image python3 must be 3.11 (holoscan-cu13 cp311 wheels)")'; \\
     mkdir -p /etc/holoscan {layout.APP_DIR} {layout.LIB_DIR} {layout.MODELS_DIR} {layout.FULL_INPUT_PATH} \\
         {layout.FULL_OUTPUT_PATH} {layout.LOGS_DIR} {layout.EXPORT_ROOT}; \\
-    (getent group {inputs.gid} >/dev/null || groupadd -g {inputs.gid} holoscan); \\
-    (id -u holoscan >/dev/null 2>&1 || useradd -m -d /home/holoscan -s /bin/bash -g {inputs.gid} -u {inputs.uid} holoscan); \\
+    {user_setup(inputs.uid, inputs.gid)}; \\
     chown -R {inputs.uid}:{inputs.gid} {layout.WORK_DIR}
 
-# The fingerprint (requirements, wheel names and sizes, variant) is part of the command on purpose: the layer
-# cache keys on the instruction text only, never on bind-mounted content, and drops comment lines.
-RUN --mount=type=bind,source=pip,target=/tmp/pip set -e; : deps-{fingerprint}; \\
+# The fingerprint (requirements, a hash of pip.conf, wheel names and sizes, variant) is part of the command on
+# purpose: the layer cache keys on the instruction text only, never on bind-mounted content, and drops comments.
+RUN --mount=type=bind,source=pip,target={PIP_DIR} set -e; : deps-{fingerprint}; \\
     python3 -m venv {layout.VENV_DIR}; \\
-    PIP_CERT=/tmp/pip/ca.crt PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \\
-        {layout.VENV_DIR}/bin/pip install -q {_pip_index_args(inputs)} -r /tmp/pip/requirements.txt; \\
+    PIP_CONFIG_FILE={PIP_DIR}/pip.conf PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \\
+        {layout.VENV_DIR}/bin/pip install -q -r {PIP_DIR}/requirements.txt; \\
     PATH={layout.VENV_DIR}/bin:$PATH {torch_check}
 
 ENV PATH={layout.VENV_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \\

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
+import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
+import ssl
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -15,15 +18,15 @@ import medserve
 from medserve.errors import PackagingError
 from medserve.packaging import layout
 from medserve.packaging.config import AppConfig
-from medserve.packaging.containerfile import render
-from medserve.packaging.manifest import AppSource
+from medserve.packaging.containerfile import pip_config, render
+from medserve.packaging.manifest import AppSource, named, sdk_pins
 
 logger = logging.getLogger("medserve.packaging.context")
 
-HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
+# Where a CA bundle for pip may be named, in the order pip's own settings win.
+CA_BUNDLE_VARIABLES = ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE")
 # Holoscan (holoscan-cu13) loads libcudart.so.13 even on CPU; a clean image has no CUDA runtime.
 CUDA_RUNTIME_PIN = "nvidia-cuda-runtime==13.0.*"
-_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".git", ".pytest_cache", "*.egg-info")
 
 
 @dataclass(frozen=True)
@@ -45,18 +48,75 @@ class BuildInputs:
 
 
 def app_requirements(app: AppSource, config: AppConfig) -> list[str]:
-    """requirements.txt of the app dir plus app.yaml's pip-packages, as the official packager merges them."""
+    """requirements.txt of the app dir plus app.yaml's pip-packages, as the official packager merges them, plus
+    exact pins of the MONAI Deploy App SDK and Holoscan versions the labels and app.json record (the official
+    Dockerfile always installs `monai-deploy-app-sdk=={version}`)."""
     lines: list[str] = []
     path = app.directory / "requirements.txt"
     if path.is_file():
         lines += [line.strip() for line in path.read_text().splitlines()]
     lines += config.pip_packages or []
     lines = [line for line in lines if line and not line.startswith("#")]
-    if any(line.lower().startswith(("holoscan", "monai-deploy-app-sdk")) for line in lines) and not any(
-        line.lower().startswith("nvidia-cuda-runtime") for line in lines
-    ):
+    for pin in sdk_pins(lines):
+        if pin.version is None:
+            raise PackagingError(
+                f"{pin.name} is not pinned (==) in {path} or in {config.path} application.pip-packages, and not "
+                f"installed here to take its version from: add {pin.name}==VERSION"
+            )
+        if not pin.pinned:  # an unpinned line the app has stays, and pip resolves both together
+            lines.append(f"{pin.name}=={pin.version}")
+    if named(lines, ("nvidia-cuda-runtime",)) is None:
         lines.append(CUDA_RUNTIME_PIN)
     return lines
+
+
+@functools.cache
+def _dockerignore() -> tuple[tuple[str, bool], ...]:
+    """(pattern, directories only) from holoscan-cli's templates/dockerignore, which the official packager puts
+    next to its Dockerfile. Every pattern there is `**/NAME`: NAME matched at any depth."""
+    try:
+        text = resources.files("holoscan_cli.packager").joinpath("templates/dockerignore").read_text()
+    except (ModuleNotFoundError, FileNotFoundError) as error:
+        raise PackagingError("holoscan-cli==4.2.0 is needed for its dockerignore (pip install it)") from error
+    patterns = (line.strip() for line in text.splitlines())
+    return tuple((pattern.removeprefix("**/").rstrip("/"), pattern.endswith("/"))
+                 for pattern in patterns if pattern and not pattern.startswith("#"))
+
+
+def ignored(directory: str, names: list[str]) -> set[str]:
+    """shutil.copytree's `ignore`: the entries of `directory` the official .dockerignore keeps out of an image."""
+    return {name for name in names for pattern, directories_only in _dockerignore()
+            if fnmatch.fnmatchcase(name, pattern)
+            and (not directories_only or os.path.isdir(os.path.join(directory, name)))}
+
+
+def _copy_tree(source: Path, target: Path, what: str) -> None:
+    """copytree with the official ignore patterns; an unreadable entry (a dangling symlink) is a PackagingError."""
+    try:
+        shutil.copytree(source, target, ignore=ignored)
+    except shutil.Error as error:
+        bad, _, reason = error.args[0][0]
+        if os.path.islink(bad) and not os.path.exists(bad):
+            reason = f"a symlink to {os.readlink(bad)}, which does not exist"
+        raise PackagingError(f"{what} {source}: cannot copy {bad}: {reason}; expected readable files "
+                             "(remove or fix it)") from error
+
+
+def host_ca_bundle() -> Path | None:
+    """The CA bundle this machine's pip and Python trust (PIP_CERT, REQUESTS_CA_BUNDLE, SSL_CERT_FILE, then
+    OpenSSL's default file); None when none is a non-empty file (pip then uses its own certifi bundle)."""
+    candidates = [os.environ.get(name) for name in CA_BUNDLE_VARIABLES]
+    candidates.append(ssl.get_default_verify_paths().cafile)
+    for candidate in candidates:
+        if candidate and os.path.isfile(candidate) and os.path.getsize(candidate) > 0:
+            return Path(candidate)
+    return None
+
+
+def index_url() -> str | None:
+    """PIP_INDEX_URL when the build can reach it (file:// indexes of the host do not exist in the build)."""
+    index = os.environ.get("PIP_INDEX_URL", "")
+    return index if index.startswith(("http://", "https://")) else None
 
 
 def _medserve_packages() -> list[Path]:
@@ -91,9 +151,10 @@ def tools_script() -> str:
         raise PackagingError("holoscan-cli==4.2.0 is needed for the MAP tools script (pip install it)") from error
 
 
-def deps_fingerprint(requirements: list[str], wheel_dir: Path | None, variant: str) -> str:
-    """Goes into the pip RUN line so that the layer cache notices new pins or wheels."""
-    digest = hashlib.sha256("\n".join(requirements).encode() + variant.encode())
+def deps_fingerprint(requirements: list[str], pip_conf: str, wheel_dir: Path | None, variant: str) -> str:
+    """Goes into the pip RUN line so that the layer cache notices new pins, indexes or wheels; a hash only, as
+    pip.conf may hold an index token."""
+    digest = hashlib.sha256("\n".join(requirements).encode() + pip_conf.encode() + variant.encode())
     if wheel_dir is not None:
         for wheel in sorted(wheel_dir.iterdir()):
             digest.update(f"{wheel.name}:{wheel.stat().st_size}".encode())
@@ -102,12 +163,11 @@ def deps_fingerprint(requirements: list[str], wheel_dir: Path | None, variant: s
 
 def write_context(inputs: BuildInputs, directory: Path) -> Path:
     """Write everything the Containerfile copies; returns the Containerfile path."""
-    app_target = directory / "app"
-    shutil.copytree(inputs.app.directory, app_target, ignore=_IGNORE)
+    _copy_tree(inputs.app.directory, directory / "app", "application directory")
     lib = directory / "lib"
     lib.mkdir()
     for package in _medserve_packages():
-        shutil.copytree(package, lib / package.name, ignore=_IGNORE)
+        _copy_tree(package, lib / package.name, "package")
     models = directory / "models"
     models.mkdir()
     for name, source in inputs.models.items():
@@ -115,9 +175,9 @@ def write_context(inputs: BuildInputs, directory: Path) -> Path:
             (models / name).mkdir()
             shutil.copy2(source, models / name / source.name)
         else:
-            shutil.copytree(source, models / name, ignore=_IGNORE)
+            _copy_tree(source, models / name, "model")
     if inputs.docs is not None:
-        shutil.copytree(inputs.docs, directory / "docs", ignore=_IGNORE)
+        _copy_tree(inputs.docs, directory / "docs", "--docs")
     (directory / "map").mkdir()
     (directory / "map" / "app.json").write_text(json.dumps(inputs.app_json))
     (directory / "map" / "pkg.json").write_text(json.dumps(inputs.pkg_json))
@@ -125,21 +185,23 @@ def write_context(inputs: BuildInputs, directory: Path) -> Path:
     (directory / "tools").write_text(tools_script())
     (directory / "tools").chmod(0o755)
 
+    # pip/ is bind-mounted into the pip step only: the CA bundle (networks that re-sign TLS), the wheels and
+    # pip.conf (the index URL, which may carry a token) never become a layer, a RUN line or a label.
     pip_dir = directory / "pip"
     pip_dir.mkdir()
     requirements = app_requirements(inputs.app, inputs.config)
     (pip_dir / "requirements.txt").write_text("\n".join(requirements) + "\n")
-    # The CA bundle is mounted into the pip step only (networks that re-sign TLS); it is never an image layer.
-    if HOST_CA_BUNDLE.is_file():
-        shutil.copy2(HOST_CA_BUNDLE, pip_dir / "ca.crt")
-    else:
-        (pip_dir / "ca.crt").write_text("")
+    ca_bundle = host_ca_bundle()
+    if ca_bundle is not None:
+        shutil.copy2(ca_bundle, pip_dir / "ca.crt")
     if inputs.wheel_dir is not None:
         _link_tree(inputs.wheel_dir, pip_dir / "wheels")
+    pip_conf = pip_config(inputs, index_url(), ca_bundle is not None)
+    (pip_dir / "pip.conf").write_text(pip_conf)
 
     containerfile = directory / "Containerfile"
     containerfile.write_text(
         render(inputs, has_docs=inputs.docs is not None,
-               fingerprint=deps_fingerprint(requirements, inputs.wheel_dir, inputs.variant))
+               fingerprint=deps_fingerprint(requirements, pip_conf, inputs.wheel_dir, inputs.variant))
     )
     return containerfile

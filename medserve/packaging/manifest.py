@@ -5,18 +5,31 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 from medserve.errors import PackagingError
 from medserve.packaging import layout
 from medserve.packaging.config import AppConfig
 
 SDK = "monai-deploy"
-PLATFORM_CONFIG = "dgpu"  # what the official packager records for --platform x86_64
+SDK_PACKAGE = "monai-deploy-app-sdk"
+# The first is what an app that names none gets (monai-deploy-app-sdk 4.0 depends on holoscan-cu13).
+HOLOSCAN_PACKAGES = ("holoscan-cu13", "holoscan-cu12", "holoscan")
+# --platform -> (OCI platform, platformConfig): the names holoscan-cli 4.2 accepts and its mappings
+# (common/constants.py SDK.PLATFORM_ARCH_MAPPINGS and SDK.INTERNAL_PLATFORM_MAPPINGS).
+PLATFORMS = {
+    "jetson": ("linux/arm64", "igpu"),
+    "igx-igpu": ("linux/arm64", "igpu"),
+    "igx-dgpu": ("linux/arm64", "dgpu"),
+    "sbsa": ("linux/arm64", "dgpu"),
+    "x86_64": ("linux/amd64", "dgpu"),
+}
 
 
 @dataclass(frozen=True)
@@ -76,27 +89,62 @@ def scan_models(path: Path) -> dict[str, Path]:
     return models
 
 
-def _pinned_version(requirements: list[str], name: str) -> str | None:
-    pattern = re.compile(rf"^\s*{re.escape(name)}\s*==\s*([^\s;#]+)", re.IGNORECASE)
+def _parsed(line: str) -> Requirement | None:
+    """A requirement line as pip reads it; None for options (-e, --index-url) and URLs."""
+    try:
+        return Requirement(line.split(" #", 1)[0].strip())
+    except InvalidRequirement:
+        return None
+
+
+def named(requirements: list[str], names: tuple[str, ...]) -> Requirement | None:
+    """The first requirement naming one of `names` (compared as pip does: case, '-', '_' and '.' alike)."""
+    wanted = {canonicalize_name(name) for name in names}
     for line in requirements:
-        match = pattern.match(line)
-        if match:
-            return match.group(1)
+        requirement = _parsed(line)
+        if requirement is not None and canonicalize_name(requirement.name) in wanted:
+            return requirement
     return None
 
 
-def sdk_versions(requirements: list[str]) -> tuple[str, str]:
-    """(holoscan, monai-deploy-app-sdk) versions: the app's pins, else what this environment has installed."""
+def _exact_version(requirement: Requirement | None) -> str | None:
+    specifiers = list(requirement.specifier) if requirement is not None else []
+    if len(specifiers) == 1 and specifiers[0].operator in {"==", "==="} and "*" not in specifiers[0].version:
+        return specifiers[0].version
+    return None
 
-    def installed(name: str) -> str:
+
+@dataclass(frozen=True)
+class SdkPin:
+    """One SDK package of the image: the version its labels and app.json record."""
+
+    name: str
+    version: str | None  # None: neither pinned by the app nor installed here
+    pinned: bool  # the app's requirements pin exactly this version
+
+
+def sdk_pins(requirements: list[str]) -> tuple[SdkPin, SdkPin]:
+    """(holoscan, monai-deploy-app-sdk): the app's exact pins, else the version installed here (which the build
+    then pins, as the official Dockerfile installs `monai-deploy-app-sdk=={version}`)."""
+
+    def pin(names: tuple[str, ...]) -> SdkPin:
+        requirement = named(requirements, names)
+        name = requirement.name if requirement is not None else names[0]
+        exact = _exact_version(requirement)
+        if exact is not None:
+            return SdkPin(name, exact, True)
         try:
-            return metadata.version(name)
+            return SdkPin(name, metadata.version(name), False)
         except metadata.PackageNotFoundError:
-            return "unknown"
+            return SdkPin(name, None, False)
 
-    holoscan = _pinned_version(requirements, "holoscan-cu13") or _pinned_version(requirements, "holoscan")
-    monai_deploy = _pinned_version(requirements, "monai-deploy-app-sdk")
-    return holoscan or installed("holoscan-cu13"), monai_deploy or installed("monai-deploy-app-sdk")
+    return pin(HOLOSCAN_PACKAGES), pin((SDK_PACKAGE,))
+
+
+def sdk_versions(requirements: list[str]) -> tuple[str, str]:
+    """(holoscan, monai-deploy-app-sdk) versions recorded in the labels and app.json."""
+    holoscan, sdk = sdk_pins(requirements)
+    return holoscan.version or "unknown", sdk.version or "unknown"
 
 
 def app_manifest(config: AppConfig, app: AppSource, sdk_version: str, timeout: int = layout.TIMEOUT) -> dict[str, Any]:
@@ -127,7 +175,7 @@ def app_manifest(config: AppConfig, app: AppSource, sdk_version: str, timeout: i
     }
 
 
-def package_manifest(config: AppConfig, models: dict[str, Path]) -> dict[str, Any]:
+def package_manifest(config: AppConfig, models: dict[str, Path], platform: str = "x86_64") -> dict[str, Any]:
     model_root = layout.MODELS_DIR.rstrip("/")
     return {
         "apiVersion": layout.API_VERSION,
@@ -136,7 +184,7 @@ def package_manifest(config: AppConfig, models: dict[str, Path]) -> dict[str, An
         "models": {name: os.path.join(model_root, name) for name in models},
         "resources": config.resources,
         "version": config.version,
-        "platformConfig": PLATFORM_CONFIG,
+        "platformConfig": PLATFORMS[platform][1],
     }
 
 

@@ -39,14 +39,15 @@ class Credentials:
 
 
 def credentials_from_env(host: str, env: dict[str, str] | None = None) -> Credentials | None:
+    """GHCR_* (or GITHUB_*) for ghcr.io, which never receives MEDSERVE_REGISTRY_* when they are set; else
+    MEDSERVE_REGISTRY_*."""
     env = dict(os.environ) if env is None else env
-    if env.get("MEDSERVE_REGISTRY_USER") and env.get("MEDSERVE_REGISTRY_PASSWORD"):
-        return Credentials(env["MEDSERVE_REGISTRY_USER"], env["MEDSERVE_REGISTRY_PASSWORD"],
-                           "MEDSERVE_REGISTRY_USER/MEDSERVE_REGISTRY_PASSWORD")
+    pairs = [("MEDSERVE_REGISTRY_USER", "MEDSERVE_REGISTRY_PASSWORD")]
     if host == "ghcr.io":
-        for user_var, token_var in (("GHCR_USER", "GHCR_TOKEN"), ("GITHUB_ACTOR", "GITHUB_TOKEN")):
-            if env.get(user_var) and env.get(token_var):
-                return Credentials(env[user_var], env[token_var], f"{user_var}/{token_var}")
+        pairs = [("GHCR_USER", "GHCR_TOKEN"), ("GITHUB_ACTOR", "GITHUB_TOKEN"), *pairs]
+    for user_var, token_var in pairs:
+        if env.get(user_var) and env.get(token_var):
+            return Credentials(env[user_var], env[token_var], f"{user_var}/{token_var}")
     return None
 
 

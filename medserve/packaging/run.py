@@ -8,6 +8,7 @@ import logging
 import os
 import posixpath
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -17,28 +18,78 @@ from pathlib import Path
 from typing import Any
 
 from medserve.errors import PackagingError
-from medserve.packaging import engine, layout
+from medserve.packaging import engine, layout, registry
 from medserve.packaging.manifest import requested_gpus
 
 logger = logging.getLogger("medserve.packaging.run")
 
-# Stack 32 MB: Holoscan warns (and deep graphs fail) below it. nofile/nproc: podman as root otherwise copies
-# the host's limits, which runc refuses to raise inside some CI sandboxes.
-ULIMITS = ("nofile=1024:1024", "nproc=1024:1024", "stack=33554432:33554432")
+# What `monai-deploy run` asks for (holoscan_cli/common/dockerutils.py docker_run): locked memory unlimited and
+# a 64 MB stack (Holoscan warns, and deep graphs fail, below 32 MB).
+OFFICIAL_ULIMITS = {"memlock": -1, "stack": 67108864}
+_RLIMITS = {"memlock": resource.RLIMIT_MEMLOCK, "stack": resource.RLIMIT_STACK,
+            "nofile": resource.RLIMIT_NOFILE, "nproc": resource.RLIMIT_NPROC}
+_CAP_SYS_RESOURCE = 24
 
 
-def _tool_argv(tool: str, image: str, verb: str) -> list[str]:
+def _can_raise_limits() -> bool:
+    """Whether this process holds CAP_SYS_RESOURCE: without it (CI sandboxes, some VMs) runc cannot give a
+    container any limit above this process's own."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> _CAP_SYS_RESOURCE & 1)
+    return False
+
+
+def _pid_max() -> int:
+    return int(Path("/proc/sys/kernel/pid_max").read_text())
+
+
+def ulimits(tool: str) -> list[str]:
+    """`--ulimit` values: the official ones where the engine can grant them (docker's daemon, podman with
+    CAP_SYS_RESOURCE). Without CAP_SYS_RESOURCE, rootful podman's own nofile/nproc defaults (2^20) and the
+    official values fail in runc, so each limit is at most this process's own (nproc also at most
+    kernel.pid_max, above which it means nothing and runc refuses it)."""
+    if tool == "docker" or _can_raise_limits():
+        return [f"{name}={value}" for name, value in OFFICIAL_ULIMITS.items()]
+    unlimited = resource.RLIM_INFINITY  # -1, as --ulimit writes it
+    limits = []
+    for name, wanted in OFFICIAL_ULIMITS.items():
+        hard = resource.getrlimit(_RLIMITS[name])[1]
+        value = hard if hard != unlimited and (wanted == unlimited or wanted > hard) else wanted
+        limits.append(f"{name}={value}:{value}")
+    for name in ("nofile", "nproc"):
+        soft, hard = resource.getrlimit(_RLIMITS[name])
+        if name == "nproc":
+            soft, hard = (_pid_max() if value == unlimited else min(value, _pid_max()) for value in (soft, hard))
+        limits.append(f"{name}={soft}:{hard}")
+    return limits
+
+
+def _tool_argv(tool: str, verb: str) -> list[str]:
     # runc: crun/default runtimes fail to set up cgroups in some CI sandboxes; runc works everywhere we tried.
     runtime = ["--runtime", "runc"] if tool == "podman" and shutil.which("runc") else []
-    argv = [*engine.base_command(tool), *runtime, verb]
-    if tool == "podman" and verb in {"create", "run", "pull"} and engine.is_loopback(engine.registry_host(image)):
-        argv.append("--tls-verify=false")  # plain-HTTP registry on loopback
-    return argv
+    return [*engine.base_command(tool), *runtime, verb]
+
+
+def _image_present(image: str, tool: str) -> bool:
+    argv = [*engine.base_command(tool), "image", "exists", image] if tool == "podman" \
+        else ["docker", "image", "inspect", image]
+    return subprocess.run(argv, capture_output=True).returncode == 0
+
+
+def ensure_image(image: str, tool: str) -> None:
+    """Pull a registry image that is not here yet with the registry credentials (medserve push's: in-memory
+    auth file), so that create/run never pull on their own, without them. `localhost/NAME` is podman's name
+    for a local image, and a bare name has no registry to log in to: both are left to the engine."""
+    host = engine.registry_host(image)
+    if host is not None and host != "localhost" and not _image_present(image, tool):
+        registry.pull(image, tool)
 
 
 def read_manifests(image: str, tool: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """app.json and pkg.json, copied out of a created (never started) container, as the official runner does."""
-    container = engine.run([*_tool_argv(tool, image, "create"), image], f"reading manifests of {image}",
+    ensure_image(image, tool)
+    container = engine.run([*_tool_argv(tool, "create"), image], f"reading manifests of {image}",
                            timeout=600).stdout.strip().splitlines()[-1]
     try:
         with tempfile.TemporaryDirectory(prefix="medserve-manifest-") as temp:
@@ -92,7 +143,17 @@ def _mapped(path: str, working_dir: str) -> str:
     return path if posixpath.isabs(path) else posixpath.join(working_dir, path)
 
 
-def _gpu_args(tool: str, pkg: dict[str, Any], wanted: str | None) -> list[str]:
+def wanted_gpus(value: str | None) -> int | str | None:
+    """--gpus: None (what pkg.json asks for), "all", or a number of GPUs >= 1."""
+    if value is None or value == "all":
+        return value
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise PackagingError(f"--gpus {value}: expected 'all' or a number of GPUs (1, 2, ...); device lists such as "
+                         "'0,1' (monai-deploy run's NVIDIA_VISIBLE_DEVICES) are not supported")
+
+
+def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | None) -> list[str]:
     asked = requested_gpus(pkg)
     available = host_gpu_count()
     if wanted is None and asked == 0:
@@ -114,15 +175,16 @@ def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str,
     working_dir = app.get("workingDirectory") or layout.WORK_DIR
     mapped_input = _mapped((app.get("input") or {}).get("path", layout.INPUT_DIR), working_dir)
     mapped_output = _mapped((app.get("output") or {}).get("path", layout.OUTPUT_DIR), working_dir)
-    environment = {"HOLOSCAN_HOSTING_SERVICE": "HOLOSCAN_RUN", "NVIDIA_DRIVER_CAPABILITIES": "all"}
+    environment = {"HOLOSCAN_HOSTING_SERVICE": "HOLOSCAN_RUN", "NVIDIA_DRIVER_CAPABILITIES": "all",
+                   "UCX_CM_USE_ALL_DEVICES": "n"}
     for name, value in (app.get("environment") or {}).items():
         environment[name] = {"HOLOSCAN_INPUT_PATH": mapped_input,
                              "HOLOSCAN_OUTPUT_PATH": mapped_output}.get(name, value)
-    argv = _tool_argv(tool, request.image, "run")
+    argv = _tool_argv(tool, "run")
     # --network none: a MAP reads and writes mounted folders only; podman's default network also needs
     # bridge and firewall setup that CI sandboxes refuse.
     argv += ["--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}", "-w", working_dir]
-    for limit in ULIMITS:
+    for limit in ulimits(tool):
         argv += ["--ulimit", limit]
     shared = (pkg.get("resources") or {}).get("sharedMemory")
     if shared:
@@ -135,21 +197,39 @@ def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str,
         argv += ["-v", f"{request.config.resolve()}:{environment.get('HOLOSCAN_CONFIG_PATH', layout.CONFIG_PATH)}:ro"]
     for name, value in sorted(environment.items()):
         argv += ["-e", f"{name}={value}"]
-    argv += _gpu_args(tool, pkg, request.gpus)
+    argv += _gpu_args(tool, pkg, wanted_gpus(request.gpus))
     return [*argv, request.image, *request.extra_args]
+
+
+def _check_output(path: Path) -> None:
+    """-o must be a folder or creatable as one: nothing on its way may be a file."""
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise PackagingError(f"output folder {path}: {blocker} is a file; expected a folder (or a path to create one)")
+
+
+def _make_output(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise PackagingError(f"output folder {path} cannot be created: {error.strerror}") from error
 
 
 def prepare(request: RunRequest) -> list[str]:
     """Check the request, read the image's manifests and return the engine command line that runs it; the
-    model server runs that itself to capture the container's log."""
+    model server runs that itself to capture the container's log. The output folder is created only once the
+    image is known to be a MAP."""
     tool = engine.pick(request.engine, "podman")
     if request.input is not None and not request.input.is_dir():
         raise PackagingError(f"input folder not found: {request.input}")
     if request.config is not None and not request.config.is_file():
         raise PackagingError(f"--config {request.config}: not a file")
     if request.output is not None:
-        request.output.mkdir(parents=True, exist_ok=True)
+        _check_output(request.output)
+    wanted_gpus(request.gpus)
     app, pkg = read_manifests(request.image, tool)
+    if request.output is not None:
+        _make_output(request.output)
     return run_argv(request, tool, app, pkg)
 
 

@@ -117,10 +117,10 @@ def remove_image(tag: str) -> None:
 def podman_run(image: str, *args: str, entrypoint: str | None = None,
                volumes: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`podman run` as medserve runs MAPs here: runc, no network, ulimits runc may set in a CI sandbox."""
-    from medserve.packaging.run import ULIMITS
+    from medserve.packaging.run import ulimits
 
     argv = ["--runtime", "runc", "run", "--rm", "--network", "none"]
-    for limit in ULIMITS:
+    for limit in ulimits("podman"):
         argv += ["--ulimit", limit]
     for volume in volumes:
         argv += ["-v", volume]

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
+import re
+import ssl
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,11 @@ from holoscan_cli.packager.parameters import PackageBuildParameters
 from medserve.errors import MedserveError, PackagingError
 from medserve.packaging.build import PackageRequest, prepare
 from medserve.packaging.config import read_app_config
-from medserve.packaging.manifest import app_manifest, find_app, package_manifest, scan_models
+from medserve.packaging.containerfile import TORCH_CPU_INDEX, pip_config, render, user_setup
+from medserve.packaging.context import (CA_BUNDLE_VARIABLES, CUDA_RUNTIME_PIN, app_requirements, host_ca_bundle,
+                                        index_url, write_context)
+from medserve.packaging.manifest import (PLATFORMS, app_manifest, find_app, package_manifest, scan_models,
+                                         sdk_versions)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,6 +73,8 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
         ({"application": {"title": "T", "version": "1", "input-formats": "file"}, "resources": {}},
          "application.input-formats must be a list"),
         ("application: [unclosed", "not valid YAML"),
+        ("application: {title: T, version: 1.10}\nresources: {}\n",
+         'application.version 1.1 was read by YAML as a number (1.10 becomes 1.1); quote it'),
     ],
 )
 def test_bad_app_yaml_names_file_and_field(tmp_path: Path, data: object, message: str) -> None:
@@ -110,9 +118,13 @@ def test_bundle_dir_is_one_model(tmp_path: Path) -> None:
     assert scan_models(bundle / "models" / "model.pt") == {"model": bundle / "models" / "model.pt"}
 
 
-def official_manifests(app_py: Path, config: Path, models_dir: Path | None) -> tuple[dict, dict]:
+def official_manifests(app_py: Path, config: Path, models_dir: Path | None,
+                       platform: str = "x86_64") -> tuple[dict, dict]:
     """What `monai-deploy package` (holoscan-cli 4.2) writes to map/app.json and map/pkg.json, computed by its
     own code: PackagingArguments minus the artifact download and the Docker build."""
+    from holoscan_cli.common.constants import SDK
+    from holoscan_cli.common.enum_types import Platform
+
     params = PackageBuildParameters()
     params.application = app_py
     if models_dir is not None:
@@ -123,9 +135,23 @@ def official_manifests(app_py: Path, config: Path, models_dir: Path | None) -> t
     pkg = reader.populate_package_manifest(params)
     app.sdk = "monai-deploy"  # PackagingArguments: SdkType.MonaiDeploy.value and its detected version
     app.sdk_version = "4.0.0"
-    pkg.platform_config = "dgpu"  # --platform x86_64
+    pkg.platform_config = SDK.INTERNAL_PLATFORM_MAPPINGS[Platform(platform)][1].value  # as PackagingArguments
     # The official packager writes json.dumps(manifest.data): compare the same serialisation.
     return json.loads(json.dumps(app.data)), json.loads(json.dumps(pkg.data))
+
+
+@pytest.mark.parametrize("platform", ["x86_64", "sbsa", "igx-dgpu", "igx-igpu", "jetson"])
+def test_platforms_match_official(tmp_path: Path, platform: str) -> None:
+    """--platform takes the names holoscan-cli 4.2 accepts, with its architecture and platformConfig."""
+    from holoscan_cli.common.constants import SDK
+    from holoscan_cli.common.enum_types import Platform
+
+    assert sorted(PLATFORMS) == sorted(SDK.PLATFORMS)
+    assert PLATFORMS[platform][0] == SDK.PLATFORM_ARCH_MAPPINGS[Platform(platform)].value
+    config, app = write(tmp_path, GOOD), make_app(tmp_path)
+    _, official_pkg = official_manifests(app / "app.py", config, None, platform)
+    inputs = prepare(PackageRequest(app, config, "x:1", platform=platform))
+    assert inputs.pkg_json["platformConfig"] == official_pkg["platformConfig"]
 
 
 def test_repo_app_yaml_matches_official_reader(tmp_path: Path) -> None:
@@ -165,15 +191,145 @@ def test_variant_follows_gpu_request(tmp_path: Path) -> None:
 
 
 def test_containerfile_variants(tmp_path: Path) -> None:
-    from medserve.packaging.containerfile import TORCH_CPU_INDEX, render
-
     app = make_app(tmp_path)
     cpu = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", variant="cpu"))
     cuda = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", variant="cuda"))
     cpu_file, cuda_file = render(cpu, False, "f"), render(cuda, False, "f")
-    assert TORCH_CPU_INDEX in cpu_file and "CPU variant got a CUDA torch build" in cpu_file
-    assert TORCH_CPU_INDEX not in cuda_file and "CPU variant got a CUDA torch build" not in cuda_file
+    assert f"extra-index-url = {TORCH_CPU_INDEX}" in pip_config(cpu, None, False)
+    assert TORCH_CPU_INDEX not in pip_config(cuda, None, False)
+    assert "CPU variant got a CUDA torch build" in cpu_file
+    assert "CPU variant got a CUDA torch build" not in cuda_file
     assert 'ENTRYPOINT ["/var/holoscan/tools"]' in cpu_file
+
+
+def _requirements(tmp_path: Path, lines: str, pip_packages: list[str] | None = None) -> list[str]:
+    app = tmp_path / "app"
+    app.mkdir(parents=True)
+    (app / "app.py").write_text("print('hi')\n")
+    (app / "requirements.txt").write_text(lines)
+    config = write(tmp_path, {**GOOD, "application": {**GOOD["application"], "pip-packages": pip_packages or []}})
+    return app_requirements(find_app(app), read_app_config(config))
+
+
+def test_sdk_installed_at_the_version_the_manifests_record(tmp_path: Path) -> None:
+    """As the official Dockerfile (`pip install monai-deploy-app-sdk=={version}`): an app that does not pin the
+    SDK gets the version app.json and the labels record, and Holoscan likewise."""
+    sdk, holoscan = metadata.version("monai-deploy-app-sdk"), metadata.version("holoscan-cu13")
+    lines = _requirements(tmp_path, "pyyaml==6.0.4\n")
+    assert lines == ["pyyaml==6.0.4", f"holoscan-cu13=={holoscan}", f"monai-deploy-app-sdk=={sdk}",
+                     CUDA_RUNTIME_PIN]
+    inputs = prepare(PackageRequest(tmp_path / "app", tmp_path / "app.yaml", "x:1"))
+    assert (inputs.sdk_version, inputs.holoscan_version) == (sdk, holoscan)
+    assert inputs.app_json["sdkVersion"] == sdk
+    assert f'org.monai.deploy.app-sdk="{sdk}"' in render(inputs, False, "f")
+
+
+def test_sdk_pins_of_the_app_win(tmp_path: Path) -> None:
+    pinned = _requirements(tmp_path / "a", "Monai_Deploy_App_SDK==3.9.1\n", ["holoscan-cu13==4.1.0"])
+    assert pinned == ["Monai_Deploy_App_SDK==3.9.1", "holoscan-cu13==4.1.0", CUDA_RUNTIME_PIN]
+    assert sdk_versions(pinned) == ("4.1.0", "3.9.1")
+    # named without an exact pin: the recorded (installed) version is pinned next to it, so pip must agree
+    ranged = _requirements(tmp_path / "b", "monai-deploy-app-sdk>=4\n")
+    assert f"monai-deploy-app-sdk=={metadata.version('monai-deploy-app-sdk')}" in ranged
+
+
+def test_sdk_neither_pinned_nor_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = metadata.version
+
+    def version(name: str) -> str:
+        if name == "monai-deploy-app-sdk":
+            raise metadata.PackageNotFoundError(name)
+        return installed(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    with pytest.raises(PackagingError, match=r"monai-deploy-app-sdk is not pinned \(==\) in .*requirements.txt "
+                                             r"or in .*app.yaml application.pip-packages.*add "
+                                             r"monai-deploy-app-sdk==VERSION"):
+        _requirements(tmp_path, "pyyaml\n")
+
+
+def test_index_token_stays_out_of_the_containerfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PIP_INDEX_URL goes to the build through the bind-mounted pip.conf only: no RUN line (image history),
+    label or cache key holds the token."""
+    inputs = prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1", variant="cpu"))
+    fingerprints = set()
+    for token in ("s3cret-one", "s3cret-two"):
+        monkeypatch.setenv("PIP_INDEX_URL", f"https://user:{token}@pypi.example.org/simple")
+        context = tmp_path / token
+        containerfile = write_context(inputs, context).read_text()
+        assert token not in containerfile
+        assert f"index-url = https://user:{token}@pypi.example.org/simple" in (context / "pip/pip.conf").read_text()
+        assert "PIP_CONFIG_FILE=/tmp/pip/pip.conf" in containerfile
+        fingerprints.add(re.search(r": deps-(\w+);", containerfile).group(1))
+    assert len(fingerprints) == 2  # a new index still rebuilds the environment
+    monkeypatch.setenv("PIP_INDEX_URL", "file:///opt/pypi/simple")  # not reachable from the build
+    assert "index-url" not in pip_config(inputs, index_url(), False).replace("extra-index-url", "")
+
+
+def test_context_leaves_out_what_the_official_dockerignore_does(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    (app / ".env").write_text("TOKEN=s3cret\n")
+    for folder in (".venv/bin", "venv", "sub/__pycache__", "sub/.git", "build-x86", "wheels", ".pytest_cache"):
+        (app / folder).mkdir(parents=True)
+        (app / folder / "f").write_text("x")
+    for name in ("run.log", "sub/debug.log", "sub/x.pyc", ".coverage.1", "sub/keep.py", "wheels.txt"):
+        (app / name).write_text("x")
+    inputs = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1"))
+    write_context(inputs, tmp_path / "context")
+    copied = sorted(p.relative_to(tmp_path / "context" / "app").as_posix()
+                    for p in (tmp_path / "context" / "app").rglob("*"))
+    assert copied == ["app.py", "requirements.txt", "sub", "sub/keep.py", "wheels.txt"]
+
+
+@pytest.mark.parametrize("where", ["app", "models"])
+def test_dangling_symlink_is_one_error_line(tmp_path: Path, where: str, capsys: pytest.CaptureFixture,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from medserve.cli import main as cli_main
+    from medserve.packaging import engine
+
+    app, bundle = make_app(tmp_path), make_bundle(tmp_path / "models")
+    link = (app if where == "app" else bundle / "configs") / "broken"
+    link.symlink_to(tmp_path / "gone")
+    monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "buildah")  # fails before any build
+    code = cli_main(["package", str(app), "-c", str(write(tmp_path, GOOD)), "-t", "x:1", "-m", str(bundle)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: ") and f"cannot copy {link}: a symlink to {tmp_path / 'gone'}, which does not exist" in err
+
+
+def test_ca_bundle_found_where_pip_and_python_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    bundle, empty = tmp_path / "corp.pem", tmp_path / "empty.pem"
+    bundle.write_text("-----BEGIN CERTIFICATE-----\n")
+    empty.write_text("")
+    for name in CA_BUNDLE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(ssl, "get_default_verify_paths",
+                        lambda: ssl.DefaultVerifyPaths(None, None, None, None, None, None))
+    assert host_ca_bundle() is None
+    monkeypatch.setenv("SSL_CERT_FILE", str(empty))  # an empty bundle would fail every TLS handshake
+    assert host_ca_bundle() is None
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(bundle))
+    assert host_ca_bundle() == bundle
+
+    inputs = prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1"))
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE")
+    write_context(inputs, tmp_path / "none")
+    assert not (tmp_path / "none/pip/ca.crt").exists() and "cert" not in (tmp_path / "none/pip/pip.conf").read_text()
+    monkeypatch.setenv("PIP_CERT", str(bundle))
+    write_context(inputs, tmp_path / "some")
+    assert (tmp_path / "some/pip/ca.crt").read_text() == bundle.read_text()
+    assert "cert = /tmp/pip/ca.crt" in (tmp_path / "some/pip/pip.conf").read_text()
+
+
+def test_labels_keep_text_and_dollars(tmp_path: Path) -> None:
+    config = write(tmp_path, {**GOOD, "application": {**GOOD["application"], "title": "Rétine ${HOME} $x"}})
+    containerfile = render(prepare(PackageRequest(make_app(tmp_path), config, "x:1")), False, "f")
+    assert 'org.opencontainers.image.title="Rétine \\${HOME} \\$x"' in containerfile
+
+
+def test_user_setup_is_the_official_one() -> None:
+    script = user_setup(1000, 1000)
+    assert "groupadd -f -g 1000 holoscan" in script and "userdel" in script
 
 
 def test_tools_script_is_the_official_one() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,10 @@ from medserve.cli import main as cli_main
 from medserve.errors import PackagingError
 from medserve.packaging import registry as reg
 from medserve.packaging.build import PackageRequest, package
+from medserve.packaging.config import read_app_config
+from medserve.packaging.containerfile import user_setup
+from medserve.packaging.context import app_requirements
+from medserve.packaging.manifest import find_app
 from medserve.packaging.run import RunRequest, inspect, run
 
 TAG = f"localhost/medserve-test-toy:{SESSION}"
@@ -27,9 +30,10 @@ config = yaml.safe_load(open(os.environ["HOLOSCAN_CONFIG_PATH"]))
 (out / "result.json").write_text(yaml.safe_dump({"inputs": sorted(p.name for p in inp.iterdir()),
     "models": models, "title": config["application"]["title"], "cwd": os.getcwd()}))
 '''
-CONFIG = """\
+TITLE = "Toy MAP – Rétine $HOME"  # labels keep non-ASCII text and `$` as written
+CONFIG = f"""\
 application:
-  title: Toy MAP
+  title: {TITLE}
   version: "0.3"
   input-formats: ["file"]
   output-formats: ["file"]
@@ -41,11 +45,15 @@ resources:
 
 
 @pytest.fixture(scope="session")
-def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def toy(tmp_path_factory: pytest.TempPathFactory, wheel_dir_for) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("toy")
     (root / "app").mkdir()
     (root / "app" / "app.py").write_text(APP)
     (root / "app" / "requirements.txt").write_text("pyyaml==6.0.4\n")
+    # what the official .dockerignore keeps out of an image
+    (root / "app" / ".env").write_text("TOKEN=s3cret\n")
+    (root / "app" / ".venv").mkdir()
+    (root / "app" / "run.log").write_text("log\n")
     (root / "app.yaml").write_text(CONFIG)
     bundle = root / "toy_bundle"
     (bundle / "configs").mkdir(parents=True)
@@ -54,8 +62,8 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     (bundle / "models" / "model.pt").write_bytes(b"not really weights")
     (root / "docs").mkdir()
     (root / "docs" / "README.md").write_text("toy docs\n")
-    wheels = root / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels), "pyyaml==6.0.4"], check=True)
+    # pyyaml plus the MONAI Deploy App SDK and Holoscan every MAP gets
+    wheels = wheel_dir_for(app_requirements(find_app(root / "app"), read_app_config(root / "app.yaml")))
     return {"root": root, "app": root / "app", "config": root / "app.yaml", "models": bundle, "wheels": wheels,
             "docs": root / "docs"}
 
@@ -72,9 +80,14 @@ def toy_image(base_image: str, toy: dict[str, Path]) -> str:
 
 def test_layout_manifests_labels_env(toy_image: str) -> None:
     info = inspect(toy_image, "podman")
-    assert info["labels"]["org.opencontainers.image.title"] == "Toy MAP"
+    assert info["labels"]["org.opencontainers.image.title"] == TITLE
     assert info["labels"]["org.opencontainers.image.version"] == "0.3"
-    assert info["labels"]["org.monai.deploy.app-sdk"] and info["labels"]["org.nvidia.holoscan"]
+    # the SDK and Holoscan the labels and app.json record are the ones installed, though the app names neither
+    installed = podman_run(toy_image, "-c", "from importlib.metadata import version as v; "
+                           "print(v('monai-deploy-app-sdk'), v('holoscan-cu13'))", entrypoint="python3")
+    assert installed.stdout.split() == [info["labels"]["org.monai.deploy.app-sdk"],
+                                        info["labels"]["org.nvidia.holoscan"]], installed.stderr
+    assert info["app.json"]["sdkVersion"] == info["labels"]["org.monai.deploy.app-sdk"]
     assert info["app.json"]["command"] == '["python3", "/opt/holoscan/app/app.py"]'
     assert info["app.json"]["input"] == {"path": "input/", "formats": ["file"]}
     assert info["pkg.json"]["models"] == {"toy_bundle": "/opt/holoscan/models/toy_bundle"}
@@ -97,6 +110,7 @@ def test_layout_manifests_labels_env(toy_image: str) -> None:
                  "/opt/holoscan/docs/README.md", "/opt/holoscan/lib/medserve/errors.py", "/var/holoscan/app.yaml",
                  "/var/holoscan/input", "/var/holoscan/output", "/var/holoscan/tools"):
         assert path in listing, path
+    assert not any(path.endswith(("/.env", "/.venv", "/run.log")) for path in listing)
     # the CA bundle and wheels were mounted into the pip step only, never copied into the image
     assert podman_run(toy_image, "/tmp/pip", entrypoint="ls").returncode != 0
     assert podman_run(toy_image, "/opt/holoscan/app", entrypoint="ls").returncode == 0
@@ -136,8 +150,25 @@ def test_run_mounts_input_output(toy_image: str, tmp_path: Path) -> None:
     (tmp_path / "in" / "b.dcm").write_bytes(b"y")
     assert run(RunRequest(toy_image, tmp_path / "in", tmp_path / "out", engine="podman")) == 0
     result = yaml.safe_load((tmp_path / "out" / "result.json").read_text())
-    assert result == {"inputs": ["a.dcm", "b.dcm"], "models": ["toy_bundle"], "title": "Toy MAP",
+    assert result == {"inputs": ["a.dcm", "b.dcm"], "models": ["toy_bundle"], "title": TITLE,
                       "cwd": "/var/holoscan"}
+
+
+def test_run_missing_image_leaves_no_output(container_tools: None, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    image = f"localhost/medserve-test-absent:{SESSION}"
+    assert cli_main(["run", image, "-o", str(tmp_path / "out"), "--engine", "podman"]) == 2
+    assert image in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_user_setup_with_a_uid_1000_user_in_the_base(base_image: str) -> None:
+    """Base images such as ubuntu:24.04 already have a UID 1000 user (`ubuntu`): the official template removes it."""
+    script = f"useradd -m -u 1000 ubuntu && {user_setup(1000, 1000)} && id -u holoscan && id -g holoscan " \
+             "&& ! id ubuntu 2>/dev/null"
+    result = podman_run(base_image, "-c", f"set -e; {script}", entrypoint="bash")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1000", "1000"]
 
 
 def test_cli_run_missing_input(toy_image: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -228,6 +259,26 @@ def test_push_credentials(toy_image: str, registry, monkeypatch: pytest.MonkeyPa
     for auth in (Path.home() / ".config/containers/auth.json", Path("/run/containers/0/auth.json"),
                  Path.home() / ".docker/config.json"):
         assert not auth.exists() or "correct-horse" not in auth.read_text()
+
+
+def test_run_and_inspect_pull_with_credentials(toy_image: str, registry, monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    """A MAP in a registry that wants credentials: run and inspect pull it with them (not `podman create`'s
+    anonymous pull)."""
+    host = registry(users={"alice": "correct-horse"})
+    reference = f"{host}/medserve/toy:{SESSION}-auth"
+    monkeypatch.setenv("MEDSERVE_REGISTRY_USER", "alice")
+    monkeypatch.setenv("MEDSERVE_REGISTRY_PASSWORD", "correct-horse")
+    reg.push(toy_image, reference, "buildah")
+    remove_image(reference)
+    try:
+        assert inspect(reference, "podman")["pkg.json"]["models"] == {"toy_bundle": "/opt/holoscan/models/toy_bundle"}
+        remove_image(reference)
+        (tmp_path / "in").mkdir()
+        assert cli_main(["run", reference, "-i", str(tmp_path / "in"), "-o", str(tmp_path / "out")]) == 0
+        assert (tmp_path / "out" / "result.json").is_file()
+    finally:
+        remove_image(reference)
 
 
 def test_ghcr_credentials_from_env() -> None:

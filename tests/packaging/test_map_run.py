@@ -1,0 +1,130 @@
+"""`medserve run` without running a container: its command line, the argv it builds for podman/docker, and the
+requests it refuses before touching the engine."""
+
+from __future__ import annotations
+
+import inspect as pyinspect
+import resource
+from pathlib import Path
+
+import pytest
+from holoscan_cli.common import dockerutils
+
+from medserve.cli import main as cli_main
+from medserve.packaging import engine, registry
+from medserve.packaging import run as map_run
+from medserve.packaging.run import RunRequest, run_argv, ulimits
+
+APP_JSON = {"workingDirectory": "/var/holoscan", "input": {"path": "input/"}, "output": {"path": "output/"},
+            "environment": {"HOLOSCAN_INPUT_PATH": "input/", "HOLOSCAN_OUTPUT_PATH": "output/"}}
+PKG_JSON = {"resources": {"cpu": 1, "gpu": 0}}
+
+
+@pytest.fixture
+def no_engine_calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """`podman` as the engine, and any image reads as a MAP: records the requests that got that far."""
+    reached: list[str] = []
+    monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "podman")
+
+    def read_manifests(image: str, tool: str) -> tuple[dict, dict]:
+        reached.append(image)
+        return APP_JSON, PKG_JSON
+
+    monkeypatch.setattr(map_run, "read_manifests", read_manifests)
+    return reached
+
+
+def test_app_arguments_after_double_dash(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    seen: list[RunRequest] = []
+    monkeypatch.setattr(map_run, "run", lambda request: seen.append(request) or 0)
+    (tmp_path / "in").mkdir()
+    assert cli_main(["run", "img:1", "-i", str(tmp_path / "in"), "-o", str(tmp_path / "out"), "--", "3"]) == 0
+    assert cli_main(["run", "img:1", "--gpus", "all", "--", "-x", "--flag", "-o", "y"]) == 0
+    assert cli_main(["run", "img:1", "-i", str(tmp_path / "in")]) == 0
+    assert [(r.image, r.extra_args) for r in seen] == [("img:1", ["3"]), ("img:1", ["-x", "--flag", "-o", "y"]),
+                                                       ("img:1", [])]
+    assert seen[0].output == tmp_path / "out" and seen[1].gpus == "all" and seen[1].output is None
+
+
+def test_ulimits_and_environment_are_the_official_runners(monkeypatch: pytest.MonkeyPatch) -> None:
+    source = pyinspect.getsource(dockerutils.docker_run)
+    assert '"memlock=-1"' in source and '"stack=67108864"' in source and "UCX_CM_USE_ALL_DEVICES" in source
+    assert ulimits("docker") == ["memlock=-1", "stack=67108864"]
+    monkeypatch.setattr(map_run, "_can_raise_limits", lambda: True)
+    argv = run_argv(RunRequest("img:1", None, None), "podman", APP_JSON, PKG_JSON)
+    limits = [argv[i + 1] for i, arg in enumerate(argv) if arg == "--ulimit"]
+    assert limits == ["memlock=-1", "stack=67108864"]  # no nproc cap: monai-deploy run sets none
+    assert "UCX_CM_USE_ALL_DEVICES=n" in argv
+
+
+def test_ulimits_without_cap_sys_resource_never_exceed_ours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where runc cannot raise limits (CI sandboxes), each limit is at most this process's own."""
+    monkeypatch.setattr(map_run, "_can_raise_limits", lambda: False)
+    fake = {resource.RLIMIT_MEMLOCK: (65536, 8388608), resource.RLIMIT_STACK: (8388608, resource.RLIM_INFINITY),
+            resource.RLIMIT_NOFILE: (1024, 20000), resource.RLIMIT_NPROC: (96362, 96362)}
+    monkeypatch.setattr(map_run.resource, "getrlimit", fake.__getitem__)
+    monkeypatch.setattr(map_run, "_pid_max", lambda: 32768)
+    assert ulimits("podman") == ["memlock=8388608:8388608", "stack=67108864:67108864", "nofile=1024:20000",
+                                 "nproc=32768:32768"]
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0,1", "--gpus 0,1: expected 'all' or a number of GPUs"),
+                                                  ("0", "--gpus 0: expected"), ("two", "--gpus two: expected")])
+def test_bad_gpus_is_one_error_line(no_engine_calls: list, capsys: pytest.CaptureFixture, value: str,
+                                    expected: str) -> None:
+    assert cli_main(["run", "img:1", "--gpus", value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+    assert no_engine_calls == []  # refused before the image is even looked at
+
+
+def test_gpu_count_on_a_gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(map_run, "host_gpu_count", lambda: 2)
+    docker = run_argv(RunRequest("img:1", None, None, gpus="1"), "docker", APP_JSON, PKG_JSON)
+    assert docker[docker.index("--gpus") + 1] == '"device=0"'
+    podman = run_argv(RunRequest("img:1", None, None, gpus="all"), "podman", APP_JSON, PKG_JSON)
+    assert [podman[i + 1] for i, arg in enumerate(podman) if arg == "--device"] == ["nvidia.com/gpu=0",
+                                                                                    "nvidia.com/gpu=1"]
+
+
+@pytest.mark.parametrize("where", ["file", "file/sub"])
+def test_output_that_is_or_is_under_a_file(no_engine_calls: list, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                           where: str) -> None:
+    (tmp_path / "file").write_text("x")
+    assert cli_main(["run", "img:1", "-o", str(tmp_path / where)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: output folder {tmp_path / where}: {tmp_path / 'file'} is a file; expected a folder " \
+                  "(or a path to create one)\n"
+    assert no_engine_calls == []
+
+
+def test_output_created_only_once_the_image_is_a_map(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from medserve.errors import PackagingError
+
+    monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "podman")
+
+    def no_image(image: str, tool: str) -> tuple[dict, dict]:
+        raise PackagingError(f"reading manifests of {image} failed")
+
+    monkeypatch.setattr(map_run, "read_manifests", no_image)
+    assert cli_main(["run", "absent:1", "-o", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+
+
+def test_remote_image_pulled_with_credentials_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """create/run would pull a missing registry image without any credentials: medserve pulls it first."""
+    pulled: list[tuple[str, str]] = []
+    monkeypatch.setattr(registry, "pull", lambda image, choice: pulled.append((image, choice)) or "id")
+    monkeypatch.setattr(map_run, "_image_present", lambda image, tool: image.endswith(":here"))
+    for image in ("127.0.0.1:5000/m/toy:1", "ghcr.io/o/toy:here", "localhost/toy:1", "toy:1"):
+        map_run.ensure_image(image, "podman")
+    assert pulled == [("127.0.0.1:5000/m/toy:1", "podman")]
+
+
+def test_credentials_go_only_to_their_registry() -> None:
+    both = {"MEDSERVE_REGISTRY_USER": "corp", "MEDSERVE_REGISTRY_PASSWORD": "corp-pw",
+            "GHCR_USER": "octo", "GHCR_TOKEN": "t0k"}
+    ghcr = registry.credentials_from_env("ghcr.io", both)
+    assert ghcr is not None and (ghcr.username, ghcr.source) == ("octo", "GHCR_USER/GHCR_TOKEN")
+    corp = registry.credentials_from_env("registry.corp:5000", both)
+    assert corp is not None and corp.username == "corp"
