@@ -10,23 +10,25 @@ import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import anyio
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from medserve.errors import MedserveError
 from medserve.server import oip, uploads
 from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
-from medserve.server.errors import ApiError, api_error_handler, core_error_handler, from_core
+from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
+                                    validation_error_handler)
 from medserve.server.inputs import InputSpec, parse_input
 from medserve.server.jobs import JobQueue
 from medserve.server.metrics import Metrics
-from medserve.server.runner import execute, pull
+from medserve.server.runner import execute_async, pull
 from medserve.server.store import ModelStore, check_model_name
 from medserve.server.uploads import UploadStore
 
@@ -34,6 +36,12 @@ log = logging.getLogger("medserve.server.app")
 
 MEDIA = {"seg": "application/dicom", "nifti": "application/gzip"}
 FILENAMES = {"seg": "seg.dcm", "nifti": "labels.nii.gz"}
+
+
+def check_format(fmt: Any) -> str:
+    if not isinstance(fmt, str) or fmt not in MEDIA:
+        raise ApiError(400, "bad_format", f"format must be 'seg' or 'nifti', not {fmt!r}")
+    return fmt
 
 
 def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
@@ -45,9 +53,7 @@ def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) ->
             fmt = "nifti"
         elif "application/dicom" in accept:
             fmt = "seg"
-    fmt = fmt or ("nifti" if spec.kind == "nifti" else "seg")
-    if fmt not in MEDIA:
-        raise ApiError(400, "bad_format", f"format must be 'seg' or 'nifti', not {fmt!r}")
+    fmt = check_format(fmt or ("nifti" if spec.kind == "nifti" else "seg"))
     if fmt == "seg" and spec.kind == "nifti":
         raise ApiError(406, "format_unavailable", "a NIfTI input can only produce a NIfTI label map")
     return fmt
@@ -89,6 +95,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.uploads, app.state.metrics, app.state.auth = upload_store, metrics, auth
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(MedserveError, core_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.include_router(uploads.router)
     app.include_router(oip.router)
 
@@ -139,8 +147,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             fmt = choose_format(request, options, spec)
             if spec.kind == "dicomweb":
                 spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)
-            outcome = await anyio.to_thread.run_sync(
-                lambda: execute(store, name, spec, work / "out", nifti=fmt == "nifti", bounded=True))
+            outcome = await execute_async(store, name, spec, work / "out", nifti=fmt == "nifti")
             status = "200"
         except ApiError as error:
             status = str(error.status)
@@ -172,23 +179,22 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def create_job(request: Request) -> JSONResponse:
         """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
         key = request.headers.get("idempotency-key")
-        model = request.query_params.get("model")
-        if key:
-            existing = jobs.find_idempotent(key)
-            if existing is not None:
-                if model and existing["model"] != model:
-                    raise ApiError(409, "idempotency_conflict",
-                                   f"Idempotency-Key was used for a job on {existing['model']!r}")
-                return JSONResponse(existing, 200, headers={"Location": f"/v1/jobs/{existing['id']}",
-                                                            "Idempotent-Replayed": "true"})
         job_id = jobs.new_id()
         folder = jobs.job_dir(job_id)
         try:
             spec, options = await parse_input(request, folder / "input", config.max_upload_bytes)
-            model = model or options.get("model") or await _json_field(request, "model")
+            model = request.query_params.get("model") or options.get("model")
             if not model:
                 raise ApiError(400, "no_model", "name the model: POST /v1/jobs?model=NAME")
             check_model_name(model)
+            existing = jobs.find_idempotent(key) if key else None
+            if existing is not None:
+                if existing["model"] != model:
+                    raise ApiError(409, "idempotency_conflict",
+                                   f"Idempotency-Key was used for a job on {existing['model']!r}")
+                shutil.rmtree(folder, ignore_errors=True)
+                return JSONResponse(existing, 200, headers={"Location": f"/v1/jobs/{existing['id']}",
+                                                            "Idempotent-Replayed": "true"})
             store.entry(model)
             writeback = _truthy(request.query_params.get("writeback", options.get("writeback", False)))
             if writeback and spec.kind != "dicomweb":
@@ -209,7 +215,9 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/result", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def job_result(job_id: str, request: Request, format: str | None = None) -> FileResponse:
-        if format is None:
+        if format is not None:
+            check_format(format)
+        else:
             accept = request.headers.get("accept", "").lower()
             format = "nifti" if ("nifti" in accept or "gzip" in accept) else None
         path, fmt = jobs.result_path(job_id, format)
@@ -220,14 +228,6 @@ def create_app(config: ServerConfig) -> FastAPI:
         return jobs.cancel(job_id)
 
     return app
-
-
-async def _json_field(request: Request, field: str) -> Any:
-    if request.headers.get("content-type", "").startswith("application/json"):
-        with contextlib.suppress(ValueError):
-            body = await request.json()
-            return body.get(field) if isinstance(body, dict) else None
-    return None
 
 
 async def _sweep(upload_store: UploadStore) -> None:

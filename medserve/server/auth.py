@@ -74,7 +74,7 @@ class Authenticator:
 def require(scope: str):  # noqa: ANN201 - a FastAPI dependency factory
     """FastAPI dependency: `dependencies=[Depends(require("admin"))]`."""
 
-    def dependency(request: Request) -> None:
+    async def dependency(request: Request) -> None:  # async: a sync dependency would take a pool thread
         request.app.state.auth.check(request, scope)
 
     return dependency

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
+from urllib.parse import quote
 
 import httpx
 
@@ -97,7 +98,7 @@ class DicomWebClient:
 
     def pull(self, study: str, series: str | None, dest: Path) -> int:
         """WADO-RS retrieve of a series (or the whole study) into `dest/NNNNNN.dcm`; returns instance count."""
-        path = f"/studies/{study}" + (f"/series/{series}" if series else "")
+        path = f"/studies/{quote(study, safe='')}" + (f"/series/{quote(series, safe='')}" if series else "")
         dest.mkdir(parents=True, exist_ok=True)
         counter = iter(range(10**9))
 

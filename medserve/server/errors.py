@@ -4,7 +4,10 @@ can cause or meet (bad input, unknown model, full queue, DICOM store down)."""
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -42,6 +45,11 @@ _CORE_CODES: list[tuple[type[MedserveError], int, str]] = [
 ]
 
 
+def header_int(text: str | None) -> int | None:
+    """A non-negative integer header value, or None. Only ASCII digits: str.isdigit() also accepts '²'."""
+    return int(text) if text is not None and text.isascii() and text.isdigit() else None
+
+
 def from_core(error: MedserveError) -> ApiError:
     for kind, status, code in _CORE_CODES:
         if isinstance(error, kind):
@@ -58,3 +66,18 @@ async def core_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, MedserveError)
     log.info("input error on %s: %s", request.url.path, exc)
     return from_core(exc).response()
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's checks of query/path parameters (e.g. `?limit=abc`), in our shape rather than {"detail": [...]}."""
+    assert isinstance(exc, RequestValidationError)
+    problems = "; ".join(f"{' '.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
+    return ApiError(400, "bad_parameter", problems).response()
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors (unknown route 404, wrong method 405), in our shape."""
+    assert isinstance(exc, HTTPException)
+    code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    return ApiError(exc.status_code, code, message, dict(exc.headers or {})).response()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import re
 import shutil
 import stat
 import zipfile
@@ -16,12 +17,15 @@ from typing import Any
 import anyio
 from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect, Request
+from starlette.types import Message
 
-from medserve.server.errors import ApiError
+from medserve.server.errors import ApiError, header_int
 
 log = logging.getLogger("medserve.server.inputs")
 
+MAX_JSON_BYTES = 1024 * 1024  # {"upload": ID} / {"study", "series"} references are a few hundred bytes
 MAX_FORM_FILES = 100_000  # Starlette's default of 1000 is below the slice count of many CT series
+UID_RE = re.compile(r"[0-9]+(\.[0-9]+)*")  # DICOM UIDs: digits and dots, at most 64 characters (PS3.5 9.1)
 
 
 @dataclass
@@ -98,10 +102,15 @@ def extract_zip(archive: Path, dest: Path, max_bytes: int) -> int:
             if info.is_dir() or rel is None or not rel.parts or rel.parts[0] == "__MACOSX":
                 continue
             target = dest.joinpath(*rel.parts)
-            target.parent.mkdir(parents=True, exist_ok=True)
             try:
+                target.parent.mkdir(parents=True, exist_ok=True)
                 with zf.open(info) as src, open(target, "wb") as out:
                     shutil.copyfileobj(src, out, 1024 * 1024)
+            except (FileExistsError, NotADirectoryError, IsADirectoryError) as error:  # `a`, then `a/b`
+                raise ApiError(400, "bad_zip", f"zip member {info.filename!r} clashes with another member's path: "
+                               f"{error.strerror}") from error
+            except (RuntimeError, NotImplementedError) as error:  # encrypted, unsupported compression method
+                raise ApiError(400, "bad_zip", f"zip member {info.filename!r} cannot be extracted: {error}") from error
             except (zipfile.BadZipFile, EOFError, OSError) as error:  # CRC error, truncated archive
                 raise ApiError(400, "bad_zip", f"zip member {info.filename!r} is damaged: {error}") from error
             count += 1
@@ -161,20 +170,45 @@ async def _save_upload(part: UploadFile, target: Path) -> None:
     await anyio.to_thread.run_sync(copy)
 
 
+def limited(request: Request, max_bytes: int) -> Request:
+    """The same request, refusing a body over `max_bytes` with 413: at once when Content-Length says so, else
+    as soon as the bytes received pass the limit (chunked bodies, parsers that read the whole body)."""
+    declared = header_int(request.headers.get("content-length"))
+    if declared is not None and declared > max_bytes:
+        raise ApiError(413, "body_too_large", f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    received = 0
+
+    async def receive() -> Message:
+        nonlocal received
+        message = await request.receive()
+        received += len(message.get("body", b""))
+        if received > max_bytes:
+            raise ApiError(413, "body_too_large", f"request body exceeds the limit of {max_bytes} bytes")
+        return message
+
+    return Request(request.scope, receive)
+
+
 async def _save_body(request: Request, target: Path, max_bytes: int) -> None:
     size = 0
     try:
         with open(target, "wb") as out:
-            async for chunk in request.stream():
+            async for chunk in limited(request, max_bytes).stream():
                 size += len(chunk)
-                if size > max_bytes:
-                    raise ApiError(413, "body_too_large", f"request body exceeds {max_bytes} bytes")
                 await anyio.to_thread.run_sync(out.write, chunk)
     except ClientDisconnect as error:
         raise ApiError(400, "truncated_body", "the client disconnected before the body was complete") from error
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) != size:
+    declared = header_int(request.headers.get("content-length"))
+    if declared is not None and declared != size:
         raise ApiError(400, "truncated_body", f"received {size} of {declared} declared bytes")
+
+
+def _check_uid(body: dict[str, Any], field: str, level: str) -> None:
+    """A DICOMweb reference becomes part of the store's URL: only well-formed UIDs get that far."""
+    value = body[field]
+    if not isinstance(value, str) or len(value) > 64 or not UID_RE.fullmatch(value):
+        raise ApiError(400, "bad_reference", f"{field!r} must be a {level} Instance UID (digits and dots, at most "
+                       f"64 characters), not {value!r}")
 
 
 async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[InputSpec, dict[str, Any]]:
@@ -184,7 +218,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
     uploads = request.app.state.uploads
     if content_type == "application/json":
         try:
-            body = await request.json()
+            body = await limited(request, MAX_JSON_BYTES).json()
         except ValueError as error:
             raise ApiError(400, "bad_json", f"request body is not JSON: {error}") from error
         if not isinstance(body, dict):
@@ -195,11 +229,10 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
             spec = await anyio.to_thread.run_sync(stage_file, path, dest, max_bytes, True)
             return spec, options
         if "study" in body:
-            if not isinstance(body["study"], str) or not body["study"]:
-                raise ApiError(400, "bad_reference", "'study' must be a Study Instance UID string")
+            _check_uid(body, "study", "Study")
             series = body.get("series")
-            if series is not None and not isinstance(series, str):
-                raise ApiError(400, "bad_reference", "'series' must be a Series Instance UID string")
+            if series is not None:
+                _check_uid(body, "series", "Series")
             configured = request.app.state.config.dicomweb_url
             if not configured:
                 raise ApiError(400, "no_dicomweb", "this server has no DICOMweb store configured (--dicomweb)")
@@ -211,9 +244,11 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
         raise ApiError(400, "bad_json", "expected {\"upload\": ID} or {\"study\": UID, \"series\": UID?}")
     if content_type == "multipart/form-data":
         try:
-            form = await request.form(max_files=MAX_FORM_FILES, max_fields=100)
+            form = await limited(request, max_bytes).form(max_files=MAX_FORM_FILES, max_fields=100)
         except ClientDisconnect as error:
             raise ApiError(400, "truncated_body", "the client disconnected during the upload") from error
+        except ApiError:
+            raise
         except Exception as error:  # malformed multipart bodies surface as assorted parser errors
             raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {error}") from error
         try:

@@ -234,43 +234,25 @@ class JobQueue:
         folder = self.job_dir(job_id)
         work, tmp, final = folder / "work", folder / "result.tmp", folder / "result"
         shutil.rmtree(tmp, ignore_errors=True)
-        timings: dict[str, float] = {}
+        timings: dict[str, float] = json.loads(row["timings"]) if row["timings"] else {}
         started = time.monotonic()
         try:
-            if spec.kind == "dicomweb":
-                self._progress(job_id, "pulling from the DICOM store", 0.1)
-                t = time.monotonic()
-                spec = pull(self.config, spec, work, retry=True, on_retry=lambda n, e: self._progress(
-                    job_id, f"DICOM store failed ({e.code}); retry {n}", 0.1))
-                timings["pull_s"] = time.monotonic() - t
-            outcome = execute(self.store, model, spec, tmp, nifti=True, bounded=False,
-                              on_stage=lambda s, p: self._progress(job_id, s, p))
-            timings.update(outcome.timings)
-            result = outcome.result
-            if self.metrics is not None:
-                self.metrics.queue.labels(model).observe(outcome.queued_s)
-            self._progress(job_id, "saving the result", 0.9)
-            outputs: dict[str, str] = {}
-            if getattr(result, "seg_path", None):
-                outputs["seg"] = Path(result.seg_path).relative_to(tmp).as_posix()
-            if getattr(result, "nifti_path", None):
-                outputs["nifti"] = Path(result.nifti_path).relative_to(tmp).as_posix()
+            outputs: dict[str, str] = json.loads(row["outputs"] or "{}")
+            if not (outputs and final.is_dir()):  # else an interrupted attempt saved its result: keep it, UIDs too
+                outputs = self._infer(job_id, model, spec, work, timings)
             if row["writeback"] and "seg" in outputs and spec.study is not None:
+                # After the result is saved, so a re-run after a crash STOWs the same SEG instance again.
                 self._progress(job_id, "storing the SEG back (STOW-RS)", 0.95)
                 t = time.monotonic()
                 client = DicomWebClient(self.config.dicomweb_url or "", self.config.dicomweb_timeout)
-                with_retries(lambda: client.store([tmp / outputs["seg"]]), self.config.dicomweb_retries,
+                with_retries(lambda: client.store([final / outputs["seg"]]), self.config.dicomweb_retries,
                              self.config.dicomweb_backoff)
                 timings["stow_s"] = time.monotonic() - t
             self._progress(job_id, "finishing", 0.99)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)  # the files are in place before the row says so
             timings["total_s"] = time.monotonic() - started
-            segments = getattr(result, "segments", None)
             updated = self._exec(
-                "UPDATE jobs SET state='succeeded', progress=1, stage='done', finished=?, timings=?, segments=?, "
-                "outputs=? WHERE id=? AND state='running' RETURNING id",
-                (time.time(), json.dumps(timings), json.dumps(segments, default=int), json.dumps(outputs), job_id))
+                "UPDATE jobs SET state='succeeded', progress=1, stage='done', finished=?, timings=? "
+                "WHERE id=? AND state='running' RETURNING id", (time.time(), json.dumps(timings), job_id))
             if not updated:
                 raise Cancelled()
             log.info("job %s succeeded in %.2f s", job_id, timings["total_s"])
@@ -286,6 +268,38 @@ class JobQueue:
             self._fail(job_id, f"{type(error).__name__}: {error}", timings)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def _infer(self, job_id: str, model: str, spec: InputSpec, work: Path,
+               timings: dict[str, float]) -> dict[str, str]:
+        """Pull (DICOMweb) and run the model into result.tmp, rename it to result, and record the outputs in the row
+        (still `running`): from then on the result is the job's. Returns {format: path relative to result}."""
+        folder = self.job_dir(job_id)
+        tmp, final = folder / "result.tmp", folder / "result"
+        if spec.kind == "dicomweb":
+            self._progress(job_id, "pulling from the DICOM store", 0.1)
+            t = time.monotonic()
+            spec = pull(self.config, spec, work, retry=True, on_retry=lambda n, e: self._progress(
+                job_id, f"DICOM store failed ({e.code}); retry {n}", 0.1))
+            timings["pull_s"] = time.monotonic() - t
+        outcome = execute(self.store, model, spec, tmp, nifti=True, on_stage=lambda s, p: self._progress(job_id, s, p))
+        timings.update(outcome.timings)
+        result = outcome.result
+        if self.metrics is not None:
+            self.metrics.queue.labels(model).observe(outcome.queued_s)
+        self._progress(job_id, "saving the result", 0.9)
+        outputs: dict[str, str] = {}
+        if getattr(result, "seg_path", None):
+            outputs["seg"] = Path(result.seg_path).relative_to(tmp).as_posix()
+        if getattr(result, "nifti_path", None):
+            outputs["nifti"] = Path(result.nifti_path).relative_to(tmp).as_posix()
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # the files are in place before the row says so
+        segments = json.dumps(getattr(result, "segments", None), default=int)
+        saved = self._exec("UPDATE jobs SET outputs=?, segments=?, timings=? WHERE id=? AND state='running' "
+                           "RETURNING id", (json.dumps(outputs), segments, json.dumps(timings), job_id))
+        if not saved:
+            raise Cancelled()
+        return outputs
 
     def _fail(self, job_id: str, message: str, timings: dict[str, float]) -> None:
         log.warning("job %s failed: %s", job_id, message)

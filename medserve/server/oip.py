@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -19,7 +20,9 @@ from fastapi import APIRouter, Depends, Request
 from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
-from medserve.server.errors import ApiError
+from medserve.errors import MedserveError
+from medserve.server.errors import ApiError, from_core, header_int
+from medserve.server.inputs import limited
 
 log = logging.getLogger("medserve.server.oip")
 
@@ -71,7 +74,7 @@ def _entry(request: Request, name: str) -> Any:
     try:
         return request.app.state.store.entry(name)
     except ApiError as error:
-        raise OipError(error.status, error.code, error.message) from error
+        raise _oip(error) from error
 
 
 @router.get("/models/{name}", dependencies=[Depends(require("infer"))])
@@ -97,9 +100,10 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
 def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], bytes]:
     header_length = headers.get("inference-header-content-length")
     if header_length is not None:
-        if not header_length.isdigit() or int(header_length) > len(body):
-            raise OipError(400, "bad_request", "Inference-Header-Content-Length is larger than the body")
-        split = int(header_length)
+        split = header_int(header_length)
+        if split is None or split > len(body):
+            raise OipError(400, "bad_request", "Inference-Header-Content-Length must be a byte count within the body, "
+                           f"not {header_length!r}")
         head, binary = body[:split], body[split:]
     else:
         head, binary = body, b""
@@ -109,7 +113,16 @@ def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], bytes]:
         raise OipError(400, "bad_request", f"inference request header is not JSON: {error}") from error
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or len(request["inputs"]) != 1:
         raise OipError(400, "bad_request", "expected exactly one input tensor in 'inputs'")
+    if not isinstance(request["inputs"][0], dict):
+        raise OipError(400, "bad_request", f"inputs[0] must be a tensor object, not {request['inputs'][0]!r}")
     return request, binary
+
+
+def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
+    parameters = holder.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise OipError(400, "bad_request", f"{where}.parameters must be an object, not {parameters!r}")
+    return parameters
 
 
 def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
@@ -120,20 +133,40 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
     if not isinstance(shape, list) or len(shape) != 5 or not all(isinstance(s, int) and s > 0 for s in shape):
         raise OipError(400, "bad_request", f"input shape must be [N, C, X, Y, Z] of positive ints, got {shape}")
     dtype = DTYPES[datatype]
-    count = int(np.prod(shape))
-    size = (spec.get("parameters") or {}).get("binary_data_size")
+    size = _parameters(spec, "inputs[0]").get("binary_data_size")
     if size is not None:
-        if size != count * dtype.itemsize or len(binary) < size:
+        if size != math.prod(shape) * dtype.itemsize or len(binary) < size:
             raise OipError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype}")
         array = np.frombuffer(binary[:size], dtype=dtype)
     else:
         data = spec.get("data")
         if data is None:
             raise OipError(400, "bad_request", "input has neither 'data' nor parameters.binary_data_size")
-        array = np.asarray(data, dtype=dtype).reshape(-1)
-        if array.size != count:
+        try:
+            array = np.asarray(data, dtype=dtype).reshape(-1)
+        except (TypeError, ValueError) as error:  # strings, ragged nesting, objects
+            raise OipError(400, "bad_request", f"inputs[0].data must be a list of {datatype} numbers: {error}") \
+                from error
+        if array.size != math.prod(shape):
             raise OipError(400, "bad_request", f"{array.size} values given for shape {shape}")
     return array.reshape(shape).astype(np.float32, copy=False)
+
+
+def _binary_output(req: dict[str, Any]) -> bool:
+    """Whether the output goes back in binary; checks 'outputs' and 'parameters' before anything runs."""
+    binary_default = bool(_parameters(req, "request").get("binary_data_output", False))
+    wanted = req.get("outputs") or [{"name": OUTPUT_NAME}]
+    if not isinstance(wanted, list) or not all(isinstance(w, dict) for w in wanted):
+        raise OipError(400, "bad_request", f"'outputs' must be a list of objects such as {{\"name\": "
+                       f"\"{OUTPUT_NAME}\"}}, not {wanted!r}")
+    names = [w.get("name") for w in wanted]
+    if any(n != OUTPUT_NAME for n in names):
+        raise OipError(400, "bad_request", f"unknown output(s) {names}; the only output is {OUTPUT_NAME!r}")
+    return bool(_parameters(wanted[0], "outputs[0]").get("binary_data", binary_default))
+
+
+def _oip(error: ApiError) -> OipError:
+    return OipError(error.status, error.code, error.message, error.headers)
 
 
 @router.post("/models/{name}/infer", dependencies=[Depends(require("infer"))])
@@ -142,41 +175,45 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
     app_state = request.app.state
     if _entry(request, name).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
         raise OipError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
-    body = await request.body()
+    try:
+        body = await limited(request, app_state.config.max_upload_bytes).body()
+    except ApiError as error:
+        raise _oip(error) from error
     req, binary = _parse_request(request.headers, body)
     array = _tensor(req["inputs"][0], binary)
+    want_binary = _binary_output(req)
     start = time.monotonic()
 
     def run() -> np.ndarray:
         import torch
 
-        with app_state.store.use(name) as (predictor, queued):
-            app_state.metrics.queue.labels(name).observe(queued)
-            # Binary request data is a read-only view of the body; torch tensors must own writable memory.
-            out = predictor.infer_tensor(torch.from_numpy(np.require(array, requirements=("C", "W"))))
-            return out.detach().to("cpu", torch.float32).numpy()
+        predictor = app_state.store.predictor(name)
+        channels = _in_channels(predictor.network)
+        if channels > 0 and array.shape[1] != channels:
+            raise OipError(400, "bad_request", f"input shape {list(array.shape)} has {array.shape[1]} channel(s); "
+                           f"model {name!r} takes {channels}")
+        # Binary request data is a read-only view of the body; torch tensors must own writable memory.
+        out = predictor.infer_tensor(torch.from_numpy(np.require(array, requirements=("C", "W"))))
+        return out.detach().to("cpu", torch.float32).numpy()
 
     try:
-        output = await anyio.to_thread.run_sync(run)
-    except ApiError as error:
-        app_state.metrics.requests.labels(name, "v2", str(error.status)).inc()
-        raise OipError(error.status, error.code, error.message, error.headers) from error
+        async with app_state.store.admit(name) as (queued, limiter):
+            app_state.metrics.queue.labels(name).observe(queued)
+            output = await anyio.to_thread.run_sync(run, limiter=limiter)
+    except (ApiError, MedserveError) as error:
+        api = error if isinstance(error, ApiError) else from_core(error)
+        app_state.metrics.requests.labels(name, "v2", str(api.status)).inc()
+        raise _oip(api) from error
     except Exception as error:
         app_state.metrics.requests.labels(name, "v2", "500").inc()
         log.exception("v2 inference failed")
         raise OipError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
     app_state.metrics.requests.labels(name, "v2", "200").inc()
     app_state.metrics.latency.labels(name, "v2").observe(time.monotonic() - start)
-    return _response(name, app_state.store.entry(name).version, req, output)
+    return _response(name, app_state.store.entry(name).version, req, output, want_binary)
 
 
-def _response(name: str, version: str | None, req: dict[str, Any], output: np.ndarray) -> Response:
-    wanted = req.get("outputs") or [{"name": OUTPUT_NAME}]
-    binary_default = bool((req.get("parameters") or {}).get("binary_data_output", False))
-    names = [w.get("name") for w in wanted]
-    if any(n != OUTPUT_NAME for n in names):
-        raise OipError(400, "bad_request", f"unknown output(s) {names}; the only output is {OUTPUT_NAME!r}")
-    want_binary = bool((wanted[0].get("parameters") or {}).get("binary_data", binary_default))
+def _response(name: str, version: str | None, req: dict[str, Any], output: np.ndarray, want_binary: bool) -> Response:
     tensor: dict[str, Any] = {"name": OUTPUT_NAME, "datatype": "FP32", "shape": list(output.shape)}
     result: dict[str, Any] = {"model_name": name, "model_version": version or "", "outputs": [tensor]}
     if "id" in req:

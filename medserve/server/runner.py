@@ -1,4 +1,4 @@
-"""One inference on a staged input, shared by the sync endpoint and the job workers: pull (DICOMweb) ->
+"""One inference on a staged input, shared by the sync endpoints and the job workers: pull (DICOMweb) ->
 admission -> hot predictor -> medserve.pipeline (the same path apps/bundle_seg runs) -> files in `out_dir`.
 A MAP model takes the same path with one container run in place of the hot predictor."""
 
@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, with_retries
@@ -47,27 +49,41 @@ def pull(config: ServerConfig, spec: InputSpec, dest: Path, retry: bool,
     return InputSpec("dicom", folder, spec.study, spec.series)
 
 
-def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nifti: bool, bounded: bool,
-            on_stage: Callable[[str, float], None] | None = None) -> Outcome:
-    """Run model `name` on a local input (dicom folder or NIfTI file); outputs land in `out_dir`."""
+def _run(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, nifti: bool, queued: float,
+         start: float) -> Outcome:
+    """Once admitted: the hot predictor (loaded now on a cold start), then the pipeline."""
     from medserve import pipeline
 
-    stage = on_stage or (lambda _s, _p: None)
-    timings: dict[str, float] = {}
-    stage("waiting for the model", 0.3)
-    start = time.monotonic()
-    with store.use(name, bounded=bounded) as (predictor, queued):
-        timings["queue_s"] = queued
-        timings["model_s"] = time.monotonic() - start - queued
-        stage("inferring", 0.4)
-        run_start = time.monotonic()
-        if isinstance(predictor, MapModel):
-            result = predictor.run(spec, out_dir)
-        elif spec.kind == "nifti":
-            result = pipeline.run_nifti(spec.path, predictor, out_dir)
-        else:
-            result = pipeline.run_study(spec.path, predictor, out_dir, nifti=nifti)
-        timings["pipeline_s"] = time.monotonic() - run_start
+    predictor = store.predictor(name)
+    timings = {"queue_s": queued, "model_s": time.monotonic() - start - queued}
+    run_start = time.monotonic()
+    if isinstance(predictor, MapModel):
+        result = predictor.run(spec, out_dir)
+    elif spec.kind == "nifti":
+        result = pipeline.run_nifti(spec.path, predictor, out_dir)
+    else:
+        result = pipeline.run_study(spec.path, predictor, out_dir, nifti=nifti)
+    timings["pipeline_s"] = time.monotonic() - run_start
     for key, value in (getattr(result, "timings", None) or {}).items():
         timings[f"pipeline.{key}"] = float(value)
     return Outcome(result, queued, timings)
+
+
+def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nifti: bool,
+            on_stage: Callable[[str, float], None]) -> Outcome:
+    """Job workers: run model `name` on a local input (dicom folder or NIfTI file); outputs land in `out_dir`.
+    Waits for the model in this thread for as long as it takes; `on_stage` raising (a cancelled job) stops it."""
+    start = time.monotonic()
+    on_stage("waiting for the model", 0.3)
+    with store.use(name, lambda: on_stage("waiting for the model", 0.3)) as queued:
+        on_stage("inferring", 0.4)
+        return _run(store, name, spec, out_dir, nifti, queued, start)
+
+
+async def execute_async(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nifti: bool) -> Outcome:
+    """Sync requests: the same run, admitted on the event loop (429/503 from the model's queue) and run in a
+    thread of the model's own limiter."""
+    start = time.monotonic()
+    async with store.admit(name) as (queued, limiter):
+        return await anyio.to_thread.run_sync(lambda: _run(store, name, spec, out_dir, nifti, queued, start),
+                                              limiter=limiter)

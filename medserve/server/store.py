@@ -19,22 +19,26 @@ Rules (documented in the README):
   Idle models go first; a model that is running a request is evicted only if that is not enough (the request
   finishes with its reference and the memory is freed afterwards).
 - Admission: per model at most `concurrency` running and `queue_size` waiting; the next sync request gets 429
-  with Retry-After; waiting longer than `queue_timeout` gives 503.
+  with Retry-After; waiting longer than `queue_timeout` gives 503. Sync requests wait on the event loop, so
+  waiting ones hold no thread. Jobs wait for the model as long as it takes (until cancelled).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import anyio
 
 from medserve.errors import BundleError, MedserveError
 from medserve.server.config import ServerConfig
@@ -49,9 +53,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 Fingerprint = tuple[tuple[str, int, int], ...]
 
 
-def check_model_name(name: str) -> str:
+def check_model_name(name: Any) -> str:
     """Model names are folder names: no path separators, no `..`, nothing a path could be built from."""
-    if not NAME_RE.match(name) or ".." in name:
+    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
         raise ApiError(400, "bad_model_name",
                        f"invalid model name {name!r}: use letters, digits, '.', '_' or '-', no path separators")
     return name
@@ -89,37 +93,90 @@ def read_metadata(folder: Path) -> dict[str, Any]:
 
 
 class Gate:
-    """Per-model admission: a bounded number of running requests and a bounded queue of waiting ones."""
+    """Per-model admission: a bounded number of running requests and a bounded queue of waiting ones.
+
+    Sync requests wait on the event loop (`enter_async`), so a waiting request holds no thread; job workers wait
+    in their own thread (`enter`). Both share the same slots; `leave` wakes every waiter of either kind and the
+    first to look takes the slot."""
 
     def __init__(self, concurrency: int, queue_size: int) -> None:
         self.concurrency = max(1, concurrency)
         self.queue_size = max(0, queue_size)
         self.active = 0
         self.waiting = 0
+        # Threads for the runs of admitted sync requests, apart from anyio's shared pool (auth, file I/O, ...).
+        self.limiter = anyio.CapacityLimiter(self.concurrency)
         self._cond = threading.Condition()
+        self._loop_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
-    def enter(self, bounded: bool, timeout: float) -> float:
-        """Wait for a slot; returns the seconds spent queued. `bounded=False` (jobs) skips the queue limit,
-        since the job queue itself is bounded by the number of workers."""
+    def _free(self) -> bool:
+        return self.active < self.concurrency
+
+    async def enter_async(self, timeout: float) -> float:
+        """Sync requests: take a slot, or wait for one without holding a thread; 429 at once when the queue is
+        full, 503 after `timeout` seconds. Returns the seconds spent queued."""
         start = time.monotonic()
+        loop = asyncio.get_running_loop()
         with self._cond:
-            if bounded and self.active >= self.concurrency and self.waiting >= self.queue_size:
+            if self._free():
+                self.active += 1
+                return 0.0
+            if self.waiting >= self.queue_size:
                 raise ApiError(429, "queue_full", "model is busy and its queue is full; retry later",
                                {"Retry-After": "1"})
             self.waiting += 1
-            try:
-                if not self._cond.wait_for(lambda: self.active < self.concurrency, timeout):
-                    raise ApiError(503, "queue_timeout", f"waited {timeout:.0f} s for the model; retry later",
-                                   {"Retry-After": "5"})
-            finally:
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    woken: asyncio.Future[None] = loop.create_future()
+                    with self._cond:
+                        if self._free():
+                            self.active += 1
+                            return time.monotonic() - start
+                        self._loop_waiters.append((loop, woken))
+                    try:
+                        await woken
+                    finally:
+                        with self._cond:
+                            if (loop, woken) in self._loop_waiters:
+                                self._loop_waiters.remove((loop, woken))
+        except TimeoutError as error:
+            raise ApiError(503, "queue_timeout", f"waited {timeout:.0f} s for the model; retry later",
+                           {"Retry-After": "5"}) from error
+        finally:
+            with self._cond:
                 self.waiting -= 1
-            self.active += 1
-        return time.monotonic() - start
+
+    def enter(self, check: Callable[[], None]) -> float:
+        """Job workers: wait in this thread for a slot, outside the queue limit (the job queue is bounded by the
+        number of workers) and without a timeout; `check()` runs every second and may raise to stop waiting
+        (a cancelled job). Returns the seconds spent queued."""
+        start = time.monotonic()
+        with self._cond:
+            self.waiting += 1
+        try:
+            while True:
+                with self._cond:
+                    if self._cond.wait_for(self._free, timeout=1.0):
+                        self.active += 1
+                        return time.monotonic() - start
+                check()
+        finally:
+            with self._cond:
+                self.waiting -= 1
 
     def leave(self) -> None:
         with self._cond:
             self.active -= 1
-            self._cond.notify()
+            waiters, self._loop_waiters = self._loop_waiters, []
+            self._cond.notify_all()
+        for loop, woken in waiters:
+            loop.call_soon_threadsafe(_wake, woken)
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 @dataclass
@@ -255,8 +312,11 @@ class ModelStore:
                 if fp != entry.seen_fp:
                     entry.seen_fp = fp
                     entry.stable_since = now
+                    if entry.predictor is None:  # nothing to keep serving: unusable until the files settle
+                        entry.state = "copying"
                     continue
-                if now - entry.stable_since < self.config.stable_seconds or fp == entry.settled_fp:
+                if now - entry.stable_since < self.config.stable_seconds or (
+                        fp == entry.settled_fp and entry.state != "copying"):
                     continue
                 entry.settled_fp = fp
                 self._settled(entry, fp)
@@ -290,12 +350,12 @@ class ModelStore:
         if entry.predictor is not None:
             # Replacement: the old predictor keeps serving until the new one is ready.
             entry.reloading = True
-            self._background.submit(self._load_safely, entry.name, fp)
+            self._background.submit(self._load_safely, entry.name)
             return
         entry.state, entry.error = "available", None
         if self._wants_eager_load(entry):
             entry.state = "loading"
-            self._background.submit(self._load_safely, entry.name, fp)
+            self._background.submit(self._load_safely, entry.name)
 
     def _wants_eager_load(self, entry: ModelEntry) -> bool:
         preload = self.config.preload
@@ -305,9 +365,9 @@ class ModelStore:
         busy = [e for e in self._entries.values() if e.predictor is not None or e.state == "loading"]
         return self.config.max_models is None or len(busy) < self.config.max_models
 
-    def _load_safely(self, name: str, fp: Fingerprint) -> None:
+    def _load_safely(self, name: str) -> None:
         try:
-            self.load(name, expected_fp=fp)
+            self.load(name)
         except Exception as error:  # state already records the failure
             log.debug("background load of %s failed: %s", name, error)
 
@@ -328,8 +388,9 @@ class ModelStore:
         log.info("MAP model %s ready: %s", entry.name, entry.map.image)
 
     # ---- loading ---------------------------------------------------------------------------------------
-    def load(self, name: str, expected_fp: Fingerprint | None = None) -> Any:
-        """Load (or reload) `name` now and return its predictor; raises BundleError and marks `failed`."""
+    def load(self, name: str) -> Any:
+        """Load (or reload) `name` now and return its predictor; raises BundleError and marks `failed`, or 503
+        model_settling when its files are not the ones that last satisfied the half-copy rule."""
         entry = self.entry(name)
         with entry.load_lock:
             current = entry.settled_fp
@@ -337,6 +398,8 @@ class ModelStore:
                 return entry.predictor
             if entry.state == "failed" and entry.loaded_fp == current:
                 raise BundleError(entry.error or f"{name} failed to load")
+            if current is None or fingerprint(entry.path) != current:  # changed since it settled, maybe mid-copy
+                raise self._settling(entry)
             if entry.predictor is None:
                 entry.state = "loading"
             start = time.monotonic()
@@ -417,8 +480,7 @@ class ModelStore:
         """The hot predictor for `name`, loading it on demand (cold start); for a MAP, its MapModel."""
         entry = self.entry(name)
         if entry.state == "copying" and entry.predictor is None:
-            raise ApiError(503, "model_settling", f"bundle {name!r} is still being copied; retry shortly",
-                           {"Retry-After": str(max(1, int(self.config.stable_seconds)))})
+            raise self._settling(entry)
         if entry.is_map:
             return self._map_model(entry)
         if entry.state == "failed" and entry.loaded_fp == entry.settled_fp:
@@ -429,6 +491,10 @@ class ModelStore:
         entry.last_used = time.monotonic()
         return predictor
 
+    def _settling(self, entry: ModelEntry) -> ApiError:
+        return ApiError(503, "model_settling", f"bundle {entry.name!r} is still being copied; retry shortly",
+                        {"Retry-After": str(max(1, int(self.config.stable_seconds)))})
+
     def _map_model(self, entry: ModelEntry) -> MapModel:
         if entry.map is not None and entry.state != "available":
             self._check_map(entry)  # the image may have been built or pulled since the last check
@@ -438,12 +504,25 @@ class ModelStore:
         return entry.map
 
     @contextmanager
-    def use(self, name: str, bounded: bool = True) -> Iterator[tuple[Any, float]]:
-        """Admission + hot predictor: `with store.use(name) as (predictor, queued_s): ...`."""
+    def use(self, name: str, check: Callable[[], None]) -> Iterator[float]:
+        """Job workers' admission, waiting in the calling thread: `with store.use(name, check) as queued_s: ...`
+        (see Gate.enter); get the predictor inside with `store.predictor(name)`."""
         entry = self.entry(name)
-        queued = entry.gate.enter(bounded, self.config.queue_timeout)
+        queued = entry.gate.enter(check)
         try:
-            yield self.predictor(name), queued
+            yield queued
+        finally:
+            entry.gate.leave()
+            entry.last_used = time.monotonic()
+
+    @asynccontextmanager
+    async def admit(self, name: str) -> AsyncIterator[tuple[float, anyio.CapacityLimiter]]:
+        """Sync requests' admission on the event loop: `async with store.admit(name) as (queued_s, limiter):`,
+        then run the work with `anyio.to_thread.run_sync(..., limiter=limiter)`."""
+        entry = self.entry(name)
+        queued = await entry.gate.enter_async(self.config.queue_timeout)
+        try:
+            yield queued, entry.gate.limiter
         finally:
             entry.gate.leave()
             entry.last_used = time.monotonic()

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
-from medserve.server.errors import ApiError
+from medserve.server.errors import ApiError, header_int
 
 log = logging.getLogger("medserve.server.uploads")
 
@@ -100,18 +100,24 @@ class UploadStore:
             info = UploadInfo(**json.loads(meta.read_text()))
         except FileNotFoundError as error:
             raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}") from error
-        if info.expires < time.time():
+        if info.expires < time.time() and not self.busy(upload_id):  # a PATCH in progress renews it at its end
             self.delete(upload_id)
             raise ApiError(410, "upload_expired", f"upload {upload_id!r} expired")
         return info
 
     def offset(self, upload_id: str) -> int:
-        return self._paths(upload_id)[0].stat().st_size
+        try:
+            return self._paths(upload_id)[0].stat().st_size
+        except FileNotFoundError as error:
+            raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}") from error
 
     def touch(self, info: UploadInfo) -> None:
-        """Activity extends the expiry (an upload that is being resumed should not vanish)."""
+        """Activity extends the expiry (an upload that is being resumed should not vanish); refused (404) when its
+        bytes were removed meanwhile, rather than bringing back the description of an upload without data."""
+        data, meta = self._paths(info.id)
+        if not data.exists():
+            raise ApiError(404, "unknown_upload", f"upload {info.id!r} was removed while it was being written")
         info.expires = time.time() + self.expiry_seconds
-        meta = self._paths(info.id)[1]
         tmp = meta.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(asdict(info)))
         tmp.replace(meta)
@@ -135,7 +141,7 @@ class UploadStore:
         now = time.time()
         for meta in self.root.glob("*.json"):
             try:
-                if json.loads(meta.read_text())["expires"] < now:
+                if json.loads(meta.read_text())["expires"] < now and not self.busy(meta.stem):
                     self.delete(meta.stem)
                     gone += 1
             except (OSError, ValueError, KeyError, ApiError):
@@ -144,6 +150,11 @@ class UploadStore:
 
     def lock(self, upload_id: str) -> asyncio.Lock:
         return self._locks.setdefault(upload_id, asyncio.Lock())
+
+    def busy(self, upload_id: str) -> bool:
+        """A PATCH is writing the upload (expiry waits for it to end)."""
+        lock = self._locks.get(upload_id)
+        return lock is not None and lock.locked()
 
 
 def _tus_headers(**extra: str) -> dict[str, str]:
@@ -178,10 +189,9 @@ async def create(request: Request) -> Response:
     store = _uploads(request)
     if request.headers.get("upload-defer-length"):
         raise ApiError(400, "defer_length_unsupported", "Upload-Defer-Length is not supported; send Upload-Length")
-    raw = request.headers.get("upload-length", "")
-    if not raw.isdigit():
+    length = header_int(request.headers.get("upload-length"))
+    if length is None:
         raise ApiError(400, "bad_upload_length", "Upload-Length must be a non-negative integer")
-    length = int(raw)
     if length > store.max_bytes:
         raise ApiError(413, "upload_too_large", f"Upload-Length {length} exceeds the limit of {store.max_bytes}",
                        {"Tus-Max-Size": str(store.max_bytes), "Tus-Resumable": TUS_VERSION})
@@ -234,14 +244,17 @@ async def patch(request: Request, upload_id: str) -> Response:
     lock = store.lock(upload_id)
     if lock.locked():
         raise ApiError(423, "upload_locked", "another PATCH is writing this upload", {"Tus-Resumable": TUS_VERSION})
+    info = store.info(upload_id)  # 410 when expired; no await until the lock is held, so nothing runs in between
     async with lock:
-        info = store.info(upload_id)
         data_path = store._paths(upload_id)[0]
         offset = store.offset(upload_id)
-        claimed = request.headers.get("upload-offset", "")
-        if not claimed.isdigit() or int(claimed) != offset:
-            raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed or '(missing)'} != current offset "
-                           f"{offset}", {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
+        claimed = request.headers.get("upload-offset")
+        if header_int(claimed) is None:
+            raise ApiError(400, "bad_upload_offset", f"Upload-Offset must be a non-negative integer, not {claimed!r}",
+                           {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
+        if header_int(claimed) != offset:
+            raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
+                           {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
         received = await _receive(request, data_path, offset, info.length, checksum)
         store.touch(info)
         new_offset = offset + received
@@ -301,7 +314,7 @@ async def terminate(request: Request, upload_id: str) -> Response:
     _check_version(request)
     store = _uploads(request)
     store.info(upload_id)
-    if store.lock(upload_id).locked():
+    if store.busy(upload_id):
         raise ApiError(423, "upload_locked", "a PATCH is writing this upload", {"Tus-Resumable": TUS_VERSION})
     store.delete(upload_id)
     return Response(status_code=204, headers=_tus_headers())

@@ -4,6 +4,8 @@ study and small CT studies written by medserve.demo."""
 
 from __future__ import annotations
 
+import http.server
+import io
 import os
 import shutil
 import signal
@@ -12,17 +14,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import numpy as np
+import pydicom
 import pytest
 import uvicorn
 
 from medserve.server.app import create_app
 from medserve.server.config import ServerConfig
+from tests.conftest import make_threshold_bundle
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_BUNDLE = REPO / "bundles" / "demo_organ_seg"
@@ -178,3 +182,79 @@ def small_study(out: Path, size: int = 24, slices: int = 12, seed: int = 0) -> P
 
 def multipart_files(folder: Path) -> list[tuple[str, tuple[str, bytes, str]]]:
     return [("files", (p.name, p.read_bytes(), "application/dicom")) for p in sorted(folder.iterdir())]
+
+
+def with_thr(server: ServerThread, name: str = "thr") -> ServerThread:
+    """Adds the fast thresholding bundle to the server's store as model `name` and waits until it is loaded."""
+    add_bundle(server.config.store, name, make_threshold_bundle(Path(server.config.data_dir) / f"{name}_bundle"))
+    server.store.wait_until(name, ("loaded",), 60)
+    return server
+
+
+@pytest.fixture
+def thr_server(make_server) -> ServerThread:
+    return with_thr(make_server())
+
+
+class FakeDicomWeb:
+    """A DICOMweb store on 127.0.0.1 that records what the server asks of it: every GET path, and the SOP Instance
+    UIDs of each STOW-RS. WADO-RS answers with the files of `study`; `on_stow` runs before a STOW is answered."""
+
+    def __init__(self, study: Path | None = None, on_stow: Callable[[], None] | None = None) -> None:
+        self.paths: list[str] = []
+        self.stowed: list[list[str]] = []
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                fake.paths.append(self.path)
+                if study is None:
+                    self._answer(404, b"", "text/plain")
+                    return
+                boundary = "fakeboundary"
+                body = b"".join(f"--{boundary}\r\nContent-Type: application/dicom\r\n\r\n".encode() + p.read_bytes()
+                                + b"\r\n" for p in sorted(study.iterdir())) + f"--{boundary}--\r\n".encode()
+                self._answer(200, body, f'multipart/related; type="application/dicom"; boundary={boundary}')
+
+            def do_POST(self) -> None:  # noqa: N802
+                boundary = self.headers["Content-Type"].split("boundary=")[1].strip('"').encode()
+                parts = self._body().split(b"--" + boundary)[1:-1]
+                fake.stowed.append([pydicom.dcmread(io.BytesIO(part.split(b"\r\n\r\n", 1)[1][:-2])).SOPInstanceUID
+                                    for part in parts])
+                if on_stow is not None:
+                    on_stow()
+                self._answer(200, b"{}", "application/dicom+json")
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding") != "chunked":
+                    return self.rfile.read(int(self.headers["Content-Length"]))
+                data = b""
+                while size := int(self.rfile.readline().strip(), 16):
+                    data += self.rfile.read(size)
+                    self.rfile.readline()
+                self.rfile.readline()
+                return data
+
+            def _answer(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/dicom-web"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> FakeDicomWeb:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()

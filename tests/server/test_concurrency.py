@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import add_bundle, multipart_files, small_study
+from tests.server.conftest import add_bundle, multipart_files, small_study, with_thr
 
 
 def test_8_clients_2_models_budget_1(make_server, tmp_path: Path) -> None:
@@ -51,3 +51,42 @@ def test_8_clients_2_models_budget_1(make_server, tmp_path: Path) -> None:
     assert {m for m, _ in results} == {"a", "b"}
     assert peak_loaded <= 2  # one over the budget only while an evicted model finishes its last request
     assert sum(e.predictor is not None for e in server.store.entries()) == 1
+
+
+def test_waiting_requests_hold_no_threads(make_server, tmp_path: Path) -> None:
+    """60 sync requests wait for a busy model, more than anyio's shared pool of 40 threads: all of them count in
+    its queue at once, the next one gets 429 at once, and authenticated endpoints answer meanwhile."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok infer\n")
+    server = with_thr(make_server(tokens_file=tokens, concurrency=1, queue_size=60))
+    auth = {"Authorization": "Bearer tok"}
+    files = multipart_files(small_study(tmp_path / "study", size=16, slices=8))
+    gate = server.store.entry("thr").gate
+    gate.enter(lambda: None)  # the model is busy, as with a long job
+    statuses: list[int] = []
+
+    def call() -> None:
+        statuses.append(httpx.post(f"{server.url}/v1/models/thr/infer", files=files, headers=auth,
+                                   timeout=300).status_code)
+
+    threads = [threading.Thread(target=call) for _ in range(60)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while gate.waiting < 60:
+            assert time.monotonic() < deadline, f"only {gate.waiting} requests counted as waiting"
+            time.sleep(0.05)
+        started = time.monotonic()
+        full = httpx.post(f"{server.url}/v1/models/thr/infer", files=files, headers=auth, timeout=30)
+        assert full.status_code == 429 and full.json()["error"] == "queue_full"
+        assert httpx.get(f"{server.url}/v1/jobs?limit=1", headers=auth, timeout=30).status_code == 200
+        created = httpx.post(f"{server.url}/v1/uploads", headers={**auth, "Tus-Resumable": "1.0.0",
+                                                                  "Upload-Length": "10"}, timeout=30)
+        assert created.status_code == 201
+        assert time.monotonic() - started < 5
+    finally:
+        gate.leave()
+        for t in threads:
+            t.join(timeout=300)
+    assert statuses == [200] * 60

@@ -3,10 +3,10 @@ and the same SEG pixels as apps/bundle_seg."""
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import zipfile
@@ -18,7 +18,9 @@ import numpy as np
 import pydicom
 import pytest
 
-from tests.server.conftest import REPO, add_bundle, bundle_snapshot, multipart_files
+from medserve.server.dicomweb import DicomWebClient, DicomWebError
+from tests.server.conftest import (REPO, FakeDicomWeb, add_bundle, bundle_snapshot, multipart_files, small_study,
+                                   with_thr)
 
 TUS = {"Tus-Resumable": "1.0.0"}
 
@@ -156,3 +158,133 @@ def test_a_bundle_that_fails_on_the_study_gives_422_inference_failed(make_server
     assert r.json()["error"] == "inference_failed"
     assert "network/inferer (SlidingWindowInferer) failed on the input volume" in r.json()["message"]
     assert server.store.entry("four_channels").state == "loaded"  # the model stays usable for other inputs
+
+
+def test_dicomweb_references_must_be_uids(make_server, tmp_path: Path) -> None:
+    """A study/series reference becomes part of the store's URL: anything but a UID is refused before the store
+    is contacted, and the client quotes what it puts in a path."""
+    with FakeDicomWeb() as store:
+        server = with_thr(make_server(dicomweb_url=store.url))
+        for body, field in (({"study": "1/../../../system"}, "'study'"),
+                            ({"study": "1.2.3", "series": "1.2.3?limit=1&x="}, "'series'"),
+                            ({"study": "1." + "2" * 64}, "'study'"), ({"study": "1.2\n"}, "'study'"),
+                            ({"study": "1.2", "series": 7}, "'series'")):
+            for path in ("/v1/models/thr/infer", "/v1/jobs?model=thr"):
+                r = httpx.post(server.url + path, json=body)
+                assert r.status_code == 400 and r.json()["error"] == "bad_reference", (body, r.text)
+                assert r.json()["message"].startswith(field), r.text
+        assert store.paths == []
+        with pytest.raises(DicomWebError):
+            DicomWebClient(store.url).pull("1.2", "3/../4?x=", tmp_path / "pulled")
+        assert store.paths == ["/dicom-web/studies/1.2/series/3%2F..%2F4%3Fx%3D"]
+
+
+def _patched_zip(archive: bytes, flag_bits: int = 0, method: int | None = None) -> bytes:
+    """Sets general-purpose flag bits and/or the compression method in every local and central header."""
+    data = bytearray(archive)
+    for signature, flags_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        start = data.find(signature)
+        while start >= 0:
+            data[start + flags_at] |= flag_bits
+            if method is not None:
+                data[start + flags_at + 2:start + flags_at + 4] = method.to_bytes(2, "little")
+            start = data.find(signature, start + 4)
+    return bytes(data)
+
+
+def _raw_request(url: str, head: bytes) -> tuple[int, dict]:
+    """One request written byte for byte (header values httpx would refuse to send); returns status and JSON."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(head)
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.split(b"\r\n\r\n", 1)[1] or b"{}")
+
+
+def test_malformed_input_fields_give_400_not_500(thr_server, tmp_path: Path) -> None:
+    """Zip members that cannot be extracted, fields of the wrong type and numeric headers with non-ASCII digits
+    are the client's mistakes: 400 naming the member, field or header."""
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    url = thr_server.url + "/v1/models/thr/infer"
+    archive = _zip(study)
+    zip_body = {"Content-Type": "application/zip"}
+    for variant, expected in ((_patched_zip(archive, flag_bits=1), "encrypted"),
+                              (_patched_zip(archive, method=6), "compression method")):
+        r = httpx.post(url, content=variant, headers=zip_body)
+        assert r.status_code == 400 and r.json()["error"] == "bad_zip", r.text
+        assert "'study/" in r.json()["message"] and expected in r.json()["message"], r.text
+    files = sorted(study.iterdir())
+    for names in (("a", "a/b"), ("a/b", "a")):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as zf:
+            for name, path in zip(names, files):
+                zf.writestr(name, path.read_bytes())
+        r = httpx.post(url, content=buffer.getvalue(), headers=zip_body)
+        assert r.status_code == 400 and r.json()["error"] == "bad_zip", r.text
+        assert f"{names[1]!r} clashes" in r.json()["message"], r.text
+    r = httpx.post(url, files={"file": ("s.zip", archive)}, data={"format": "bogus"})
+    assert r.status_code == 400 and r.json()["error"] == "bad_format"
+    r = httpx.post(thr_server.url + "/v1/uploads", headers={**TUS, "Upload-Length": str(len(archive))})
+    httpx.patch(r.headers["Location"], content=archive, headers={
+        **TUS, "Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"})
+    upload = r.headers["Location"].rsplit("/", 1)[-1]
+    r = httpx.post(url, json={"upload": upload, "format": ["seg"]})
+    assert r.status_code == 400 and r.json()["error"] == "bad_format" and "['seg']" in r.json()["message"]
+    r = httpx.post(thr_server.url + "/v1/jobs", json={"upload": upload, "model": 5})
+    assert r.status_code == 400 and r.json()["error"] == "bad_model_name" and "5" in r.json()["message"]
+
+    for head, header in (
+            (b"POST /v1/uploads HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\nUpload-Length: \xb2\r\n",
+             "Upload-Length"),
+            (f"PATCH /v1/uploads/{upload} HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\nContent-Type: "
+             "application/offset+octet-stream\r\nUpload-Offset: ".encode() + b"\xb9\r\n", "Upload-Offset"),
+            (b"POST /v2/models/thr/infer HTTP/1.1\r\nHost: x\r\nInference-Header-Content-Length: \xb3\r\n",
+             "Inference-Header-Content-Length")):
+        status, body = _raw_request(thr_server.url, head + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+        assert status == 400 and header in (body.get("message") or body["error"]), body
+
+
+def test_request_bodies_over_the_limit_give_413(make_server) -> None:
+    """--max-upload-mb holds for multipart, raw and OIP bodies (declared or chunked); JSON references get 1 MiB."""
+    server = with_thr(make_server(max_upload_bytes=1_000_000))
+    url = server.url + "/v1/models/thr/infer"
+    big = os.urandom(1_500_000)
+
+    def chunked(data: bytes):
+        for start in range(0, len(data), 100_000):
+            yield data[start:start + 100_000]
+
+    multipart = (b"--b\r\nContent-Disposition: form-data; name=\"files\"; filename=\"a.dcm\"\r\n"
+                 b"Content-Type: application/dicom\r\n\r\n" + big + b"\r\n--b--\r\n")
+    form = {"Content-Type": "multipart/form-data; boundary=b"}
+    for response in (httpx.post(url, files=[("files", ("a.dcm", big, "application/dicom"))]),
+                     httpx.post(url, content=chunked(multipart), headers=form),
+                     httpx.post(url, content=big, headers={"Content-Type": "application/octet-stream"}),
+                     httpx.post(url, content=json.dumps({"upload": "x" * 1_100_000}),
+                                headers={"Content-Type": "application/json"}),
+                     httpx.post(url, content=chunked(json.dumps({"upload": "x" * 1_100_000}).encode()),
+                                headers={"Content-Type": "application/json"})):
+        assert response.status_code == 413 and response.json()["error"] == "body_too_large", response.text
+    for content in (b"{" + b" " * 1_500_000 + b"}", chunked(b"{" + b" " * 1_500_000 + b"}")):
+        r = httpx.post(server.url + "/v2/models/thr/infer", content=content,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "exceeds the limit" in r.json()["error"], r.text
+    assert not list(server.config.tmp_dir.iterdir())
+
+
+def test_every_error_has_the_json_shape(thr_server) -> None:
+    """FastAPI's parameter checks and Starlette's routing errors answer {"error", "message"} like ours; a bad
+    format is 400 bad_format on every endpoint."""
+    url = thr_server.url
+    for response, status, code in (
+            (httpx.get(url + "/v1/jobs?limit=abc"), 400, "bad_parameter"),
+            (httpx.get(url + "/v1/nothing"), 404, "not_found"),
+            (httpx.put(url + "/v1/jobs"), 405, "method_not_allowed"),
+            (httpx.get(url + "/v1/jobs/" + "0" * 32 + "/result?format=bogus"), 400, "bad_format")):
+        assert response.status_code == status and response.json()["error"] == code, response.text
+        assert set(response.json()) == {"error", "message"}
+    assert "limit" in httpx.get(url + "/v1/jobs?limit=abc").json()["message"]
+    assert "/v1/nothing" in httpx.get(url + "/v1/nothing").json()["message"]

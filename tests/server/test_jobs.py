@@ -11,7 +11,9 @@ import httpx
 import pydicom
 import pytest
 
-from tests.server.conftest import ServerProcess, add_bundle, free_port, multipart_files, small_study
+from tests.conftest import make_threshold_bundle
+from tests.server.conftest import (FakeDicomWeb, ServerProcess, add_bundle, free_port, multipart_files, small_study,
+                                   with_thr)
 
 
 def _wait(url: str, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict:
@@ -111,3 +113,69 @@ def test_kill_9_recovery(tmp_path: Path, store_dir: Path, study: Path, demo_stud
         assert failed["state"] == "failed" and "interrupted" in failed["error"]
     finally:
         server.stop()
+
+
+def test_job_waits_for_a_busy_model_past_the_queue_timeout(make_server, study: Path) -> None:
+    """A job whose model stays busy longer than the sync queue timeout keeps waiting (a sync request would get
+    503); cancelling it while it waits frees the worker for the next job."""
+    server = with_thr(make_server(queue_timeout=0.5))
+    url, files = server.url, multipart_files(study)
+    gate = server.store.entry("thr").gate
+    gate.enter(lambda: None)
+    try:
+        first = httpx.post(url + "/v1/jobs?model=thr", files=files).json()
+        second = httpx.post(url + "/v1/jobs?model=thr", files=files).json()
+        assert httpx.post(url + "/v1/models/thr/infer", files=files).status_code == 503
+        time.sleep(1.5)
+        waiting = _wait(url, first["id"], ("running",))
+        assert waiting["stage"] == "waiting for the model" and httpx.get(f"{url}/v1/jobs/{first['id']}").json()[
+            "state"] == "running"
+        assert httpx.delete(f"{url}/v1/jobs/{first['id']}").json()["state"] == "cancelled"
+        assert _wait(url, second["id"], ("running",), 10)["stage"] == "waiting for the model"
+    finally:
+        gate.leave()
+    done = _wait(url, second["id"], ("succeeded", "failed"))
+    assert done["state"] == "succeeded" and done["attempts"] == 1, done
+    assert httpx.get(f"{url}/v1/jobs/{first['id']}").json()["state"] == "cancelled"
+
+
+def test_idempotency_key_compares_the_model_from_any_source(thr_server, study: Path) -> None:
+    """The same Idempotency-Key naming another model in the form or JSON body is a conflict, not a replay."""
+    url, files = thr_server.url, multipart_files(study)
+    first = httpx.post(url + "/v1/jobs", files=files, data={"model": "thr"}, headers={"Idempotency-Key": "k"})
+    assert first.status_code == 202, first.text
+    again = httpx.post(url + "/v1/jobs", files=files, data={"model": "thr"}, headers={"Idempotency-Key": "k"})
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    other = httpx.post(url + "/v1/jobs", files=files, data={"model": "other"}, headers={"Idempotency-Key": "k"})
+    assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict", other.text
+    other = httpx.post(url + "/v1/jobs", json={"upload": "0" * 32, "model": "other"}, headers={"Idempotency-Key": "k"})
+    assert other.status_code in (404, 409), other.text  # the unknown upload may be noticed first
+    assert _wait(url, first.json()["id"], ("succeeded",))["model"] == "thr"
+    assert sorted(p.name for p in thr_server.config.jobs_dir.iterdir()) == [first.json()["id"]]
+
+
+def test_writeback_rerun_after_a_crash_stows_the_same_seg(tmp_path: Path, store_dir: Path, study: Path) -> None:
+    """kill -9 once the SEG has been STOWed but before the job is marked done: the re-run STOWs the same SEG
+    instance again (which the store replaces), never a second, different SEG."""
+    add_bundle(store_dir, "thr", make_threshold_bundle(tmp_path / "thr"))
+    servers: list[ServerProcess] = []
+
+    def crash_on_first_stow() -> None:
+        if len(store.stowed) == 1:
+            servers[-1].kill()
+
+    with FakeDicomWeb(study, on_stow=crash_on_first_stow) as store:
+        args = ["--store", str(store_dir), "--data-dir", str(tmp_path / "data"), "--stable-seconds", "0.5",
+                "--poll-interval", "0.2", "--device", "cpu", "--dicomweb", store.url]
+        port = free_port()
+        servers.append(ServerProcess(args, port).start())
+        try:
+            url = servers[0].url
+            job = httpx.post(url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+            assert servers[0].proc.wait(timeout=120) == -9
+            servers.append(ServerProcess(args, port).start())
+            done = _wait(url, job["id"], ("succeeded", "failed"))
+            assert done["state"] == "succeeded" and done["attempts"] == 2, done
+        finally:
+            servers[-1].stop()
+    assert len(store.stowed) == 2 and store.stowed[0] == store.stowed[1], store.stowed

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import shutil
+
+import httpx
 import numpy as np
 import pytest
 import torch
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from tests.server.conftest import add_bundle, bundle_snapshot
+from tests.server.conftest import add_bundle, bundle_snapshot, with_thr
 
 
 def test_tritonclient_json_and_binary(make_server) -> None:
@@ -40,3 +43,31 @@ def test_tritonclient_json_and_binary(make_server) -> None:
     bad.set_data_from_numpy(np.zeros((1, 1, 4), np.float32))
     with pytest.raises(InferenceServerException, match="shape"):
         client.infer("demo", [bad])
+
+
+def test_malformed_requests_give_400_before_inference(make_server) -> None:
+    """Every malformed part of a request is refused with 400 naming it, before the model runs; a model that fails
+    to load on demand answers like /v1 (409 model_failed), not 500."""
+    thr_server = with_thr(make_server(max_models=1))  # a second bundle is then loaded on demand only
+    url = thr_server.url + "/v2/models/thr/infer"
+    tensor = {"name": "INPUT", "datatype": "FP32", "shape": [1, 1, 2, 2, 2], "data": [0.0] * 8}
+    for request, expected in (
+            ({"inputs": [{**tensor, "data": ["a"] * 8}]}, "inputs[0].data"),
+            ({"inputs": [{**tensor, "data": [[1, 2], [3]]}]}, "inputs[0].data"),
+            ({"inputs": [{**tensor, "parameters": [1]}]}, "inputs[0].parameters"),
+            ({"inputs": [5]}, "inputs[0]"),
+            ({"inputs": [tensor], "parameters": [1]}, "request.parameters"),
+            ({"inputs": [tensor], "outputs": ["x"]}, "'outputs'"),
+            ({"inputs": [tensor], "outputs": [{"name": "OUTPUT", "parameters": 3}]}, "outputs[0].parameters"),
+            ({"inputs": [{**tensor, "shape": [1, 3, 2, 2, 2], "data": [0.0] * 24}]}, "3 channel(s)")):
+        r = httpx.post(url, json=request)
+        assert r.status_code == 400 and expected in r.json()["error"], (request, r.text)
+    metrics = httpx.get(thr_server.url + "/metrics").text
+    assert 'medserve_requests_total{endpoint="v2",model="thr",status="200"}' not in metrics  # nothing ran
+
+    broken = thr_server.config.store / "broken"
+    shutil.copytree(thr_server.config.store / "thr", broken)
+    (broken / "models" / "model.pt").write_bytes(b"not a torch file")
+    thr_server.store.wait_until("broken", ("available",), 30)
+    r = httpx.post(thr_server.url + "/v2/models/broken/infer", json={"inputs": [tensor]})
+    assert r.status_code == 409 and "failed to load" in r.json()["error"], r.text

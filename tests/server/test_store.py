@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import add_bundle, bundle_snapshot, multipart_files, small_study
+from tests.server.conftest import add_bundle, bundle_snapshot, multipart_files, small_study, with_thr
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +168,23 @@ def test_full_queue_gives_429(make_server, study: Path) -> None:
     assert 200 in codes and 429 in codes, codes
     refused = next(r for r in statuses if r.status_code == 429)
     assert refused.headers["Retry-After"] and refused.json()["error"] == "queue_full"
+
+
+def test_unloaded_model_with_changing_files_waits_for_them_to_settle(make_server, study: Path) -> None:
+    """The half-copy rule also holds for a model that is not loaded: a request that would load it while its
+    files are changing gets 503 model_settling (before and after the watcher notices), never a half copy."""
+    server = with_thr(make_server(stable_seconds=1.0))
+    url, files = server.url, multipart_files(study)
+    weights = server.config.store / "thr" / "models" / "model.pt"
+    full = weights.read_bytes()
+    assert httpx.post(url + "/v1/models/thr/unload").json()["state"] == "unloaded"
+    weights.write_bytes(full[: len(full) // 2])  # a new version is being copied in: half of it so far
+    r = httpx.post(url + "/v1/models/thr/infer", files=files)
+    assert r.status_code == 503 and r.json()["error"] == "model_settling", r.text
+    time.sleep(0.5)
+    assert _models(url)["thr"]["state"] == "copying"
+    r = httpx.post(url + "/v1/models/thr/load")
+    assert r.status_code == 503 and r.json()["error"] == "model_settling", r.text
+    weights.write_bytes(full)
+    server.store.wait_until("thr", ("loaded", "available"), 30)
+    assert httpx.post(url + "/v1/models/thr/infer", files=files, timeout=120).status_code == 200

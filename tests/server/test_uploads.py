@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from tusclient import client as tus
 from tusclient.storage.filestorage import FileStorage
 
+from medserve.server.errors import ApiError
 from tests.server.conftest import add_bundle
 
 TUS = {"Tus-Resumable": "1.0.0"}
@@ -131,3 +133,36 @@ def test_expiration(make_server) -> None:
     time.sleep(0.8)
     assert httpx.head(url, headers=TUS).status_code == 410
     assert not list(server.config.uploads_dir.glob("*.bin"))
+
+
+def test_a_patch_running_past_the_expiry_keeps_the_upload(make_server) -> None:
+    """Expiry and the sweep leave an upload alone while a PATCH writes it (the PATCH renews it); an upload whose
+    bytes vanished answers 404, and is not renewed."""
+    server = make_server(upload_expiry_seconds=1.0)
+    uploads = server.app.state.uploads
+    url = _create(server, 6)
+
+    def slow_body():
+        for _ in range(6):
+            yield b"x"
+            time.sleep(0.4)
+
+    result: dict[str, httpx.Response] = {}
+    writer = threading.Thread(target=lambda: result.setdefault("patch", _patch(url, slow_body(), 0)))
+    writer.start()
+    time.sleep(1.6)  # past the expiry, mid-PATCH
+    assert httpx.head(url, headers=TUS).status_code == 200
+    assert uploads.sweep() == 0
+    writer.join(timeout=30)
+    assert result["patch"].status_code == 204 and result["patch"].headers["Upload-Offset"] == "6"
+    assert httpx.head(url, headers=TUS).headers["Upload-Offset"] == "6"
+    assert httpx.get(url).json()["complete"]
+
+    other = _create(server, 4).rsplit("/", 1)[-1]
+    info = uploads.info(other)
+    _upload_file(server, other).unlink()
+    assert httpx.head(f"{server.url}/v1/uploads/{other}", headers=TUS).status_code == 404
+    assert httpx.get(f"{server.url}/v1/uploads/{other}").json()["error"] == "unknown_upload"
+    with pytest.raises(ApiError) as refused:
+        uploads.touch(info)
+    assert refused.value.status == 404
