@@ -266,7 +266,9 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
         finally:
             await form.close()
         if len(saved) == 1 and sniff(saved[0]) in ("zip", "nifti"):
-            return await anyio.to_thread.run_sync(stage_file, saved[0], dest, max_bytes, True), options
+            spec = await anyio.to_thread.run_sync(stage_file, saved[0], dest, max_bytes, True)
+            shutil.rmtree(raw)  # extracted, or hard-linked into place
+            return spec, options
         for index, path in enumerate(saved):
             if sniff(path) != "dicom":
                 name = parts[index].filename or f"part {index}"
@@ -277,6 +279,8 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
                         "application/x-nifti"):
         target = dest / "body"
         await _save_body(request, target, max_bytes)
-        return await anyio.to_thread.run_sync(stage_file, target, dest, max_bytes, True), dict(request.query_params)
+        spec = await anyio.to_thread.run_sync(stage_file, target, dest, max_bytes, True)
+        target.unlink()  # extracted, or hard-linked into place
+        return spec, dict(request.query_params)
     raise ApiError(415, "unsupported_media_type",
                    "send multipart/form-data files, a zip/DICOM/NIfTI body, or JSON {upload} / {study, series}")

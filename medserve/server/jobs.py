@@ -103,8 +103,19 @@ class JobQueue:
         for row in requeued + failed:
             shutil.rmtree(self.root / row["id"] / "result.tmp", ignore_errors=True)
             shutil.rmtree(self.root / row["id"] / "work", ignore_errors=True)
+        for row in failed:
+            self._drop_input(row["id"])
         if requeued or failed:
             log.warning("recovered after restart: %d jobs requeued, %d failed", len(requeued), len(failed))
+        # A job folder without a row: the server stopped while the request was still saving its input.
+        known = {row["id"] for row in self._exec("SELECT id FROM jobs")}
+        for folder in self.root.iterdir():
+            if folder.is_dir() and folder.name not in known:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def _drop_input(self, job_id: str) -> None:
+        """A finished job keeps its result, not its input (a study can be gigabytes)."""
+        shutil.rmtree(self.job_dir(job_id) / "input", ignore_errors=True)
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / job_id
@@ -183,8 +194,14 @@ class JobQueue:
         row = self._row(job_id)
         if row["state"] in FINAL:
             raise ApiError(409, "job_finished", f"job {job_id} is already {row['state']}")
-        self._exec("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', error='cancelled by request' "
-                   "WHERE id=? AND state IN ('queued', 'running')", (time.time(), job_id))
+        cancelled = self._exec("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', "
+                               "error='cancelled by request' WHERE id=? AND state='queued' RETURNING id",
+                               (time.time(), job_id))
+        if cancelled:
+            self._drop_input(job_id)  # no worker will see it
+        else:  # running: its worker notices at its next step and drops the input when it stops
+            self._exec("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', "
+                       "error='cancelled by request' WHERE id=? AND state='running'", (time.time(), job_id))
         log.info("job %s cancelled (was %s)", job_id, row["state"])
         return self.get(job_id)
 
@@ -268,6 +285,7 @@ class JobQueue:
             self._fail(job_id, f"{type(error).__name__}: {error}", timings)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        self._drop_input(job_id)  # every way here ends the job; a failure to record that leaves it for recover()
 
     def _infer(self, job_id: str, model: str, spec: InputSpec, work: Path,
                timings: dict[str, float]) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import sqlite3
 import time
+import zipfile
 from pathlib import Path
 
 import httpx
@@ -179,3 +180,49 @@ def test_writeback_rerun_after_a_crash_stows_the_same_seg(tmp_path: Path, store_
         finally:
             servers[-1].stop()
     assert len(store.stowed) == 2 and store.stowed[0] == store.stowed[1], store.stowed
+
+
+def _zip_of(folder: Path) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path in sorted(folder.iterdir()):
+            archive.write(path, path.name)
+    return buffer.getvalue()
+
+
+def test_finished_jobs_keep_their_result_not_their_input(make_server, base_config, study: Path) -> None:
+    orphan = base_config.jobs_dir / ("f" * 32)  # a request that was saving its input when the server stopped
+    (orphan / "input").mkdir(parents=True)
+    server = with_thr(make_server())
+    assert not orphan.exists()
+    url, jobs = server.url, server.config.jobs_dir
+    archive = _zip_of(study)
+    submitted = [
+        httpx.post(url + "/v1/jobs?model=thr", files=[("file", ("study.zip", archive, "application/zip"))]),
+        httpx.post(url + "/v1/jobs?model=thr", content=archive, headers={"Content-Type": "application/zip"}),
+        httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)),
+    ]
+    ids = [r.json()["id"] for r in submitted]
+    assert all(r.status_code == 202 for r in submitted), [r.text for r in submitted]
+    for job_id in ids:
+        assert _wait(url, job_id, ("succeeded", "failed"))["state"] == "succeeded"
+        assert not (jobs / job_id / "input").exists()
+        assert httpx.get(f"{url}/v1/jobs/{job_id}/result").status_code == 200
+
+
+def test_a_job_cancelled_while_queued_drops_its_input_and_a_failed_one_too(make_server, study: Path) -> None:
+    server = with_thr(make_server(job_workers=1))
+    url, jobs = server.url, server.config.jobs_dir
+    with server.store.use("thr", lambda: None):  # the model is busy: the worker waits, later jobs stay queued
+        first = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()["id"]
+        queued = httpx.post(url + "/v1/jobs?model=thr",
+                            files=[("file", ("study.zip", _zip_of(study), "application/zip"))]).json()["id"]
+        assert sorted(p.name for p in (jobs / queued / "input").iterdir()) == ["dicom"]  # the zip is gone
+        assert httpx.delete(f"{url}/v1/jobs/{queued}").json()["state"] == "cancelled"
+        assert not (jobs / queued / "input").exists()
+    assert _wait(url, first, ("succeeded",))["state"] == "succeeded"
+    broken = [("file", ("IM0.dcm", (study / sorted(p.name for p in study.iterdir())[0]).read_bytes()[:-500],
+                        "application/dicom"))]  # a truncated slice: the job fails
+    failed = httpx.post(url + "/v1/jobs?model=thr", files=broken).json()["id"]
+    assert _wait(url, failed, ("succeeded", "failed"))["state"] == "failed"
+    assert not (jobs / failed / "input").exists()
