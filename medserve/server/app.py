@@ -153,7 +153,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             status = str(error.status)
             raise
         except MedserveError as error:
-            api = from_core(error)
+            api = from_core(error, work / "input" / "dicom", work / "input", work)
             status = str(api.status)
             raise api from error
         finally:

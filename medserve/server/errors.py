@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from pathlib import Path
 
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
@@ -50,11 +51,22 @@ def header_int(text: str | None) -> int | None:
     return int(text) if text is not None and text.isascii() and text.isdigit() else None
 
 
-def from_core(error: MedserveError) -> ApiError:
+def client_message(error: MedserveError, *folders: Path) -> str:
+    """The core's message with the server's own `folders` left out (most specific first), so that a file is
+    named by its path in what the client sent, and the data folder's layout is not shown."""
+    message = str(error)
+    for folder in folders:
+        message = message.replace(f"{folder}/", "").replace(str(folder), ".")
+    return message
+
+
+def from_core(error: MedserveError, *folders: Path) -> ApiError:
+    """The API error for a core error; `folders`: see `client_message`."""
+    message = client_message(error, *folders)
     for kind, status, code in _CORE_CODES:
         if isinstance(error, kind):
-            return ApiError(status, code, str(error))
-    return ApiError(400, "bad_input", str(error))
+            return ApiError(status, code, message)
+    return ApiError(400, "bad_input", message)
 
 
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -161,6 +161,13 @@ def _place(src: Path, dst: Path, link: bool) -> None:
     shutil.copyfile(src, dst)
 
 
+def _part_name(filename: str | None, index: int) -> str:
+    """A file name for a received part: the client's own (its last component, in safe characters), so that
+    errors about the file name it as the client does."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", PurePosixPath((filename or "").replace("\\", "/")).name).lstrip(".")
+    return name[:128] or f"part-{index:06d}"
+
+
 async def _save_upload(part: UploadFile, target: Path) -> None:
     def copy() -> None:
         part.file.seek(0)
@@ -260,7 +267,9 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
             raw.mkdir(exist_ok=True)
             saved: list[Path] = []
             for index, part in enumerate(parts):
-                target = raw / f"{index:06d}"
+                target = raw / _part_name(part.filename, index)
+                if target.exists():  # two parts with the same name
+                    target = raw / f"{index:06d}-{target.name}"
                 await _save_upload(part, target)
                 saved.append(target)
         finally:

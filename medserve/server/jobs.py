@@ -23,7 +23,7 @@ from typing import Any
 from medserve.errors import MedserveError
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, DicomWebError, with_retries
-from medserve.server.errors import ApiError
+from medserve.server.errors import ApiError, client_message
 from medserve.server.inputs import InputSpec
 from medserve.server.runner import execute, pull
 from medserve.server.store import ModelStore
@@ -278,7 +278,12 @@ class JobQueue:
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)
         except (ApiError, MedserveError, DicomWebError) as error:
-            message = error.message if isinstance(error, ApiError) else str(error)
+            if isinstance(error, ApiError):
+                message = error.message
+            elif isinstance(error, MedserveError):
+                message = client_message(error, folder / "input" / "dicom", folder / "input", work, folder)
+            else:
+                message = str(error)
             self._fail(job_id, message, timings)
         except Exception as error:  # a bug or a library failure: record it, keep the worker alive
             log.exception("job %s crashed", job_id)

@@ -224,5 +224,7 @@ def test_a_job_cancelled_while_queued_drops_its_input_and_a_failed_one_too(make_
     broken = [("file", ("IM0.dcm", (study / sorted(p.name for p in study.iterdir())[0]).read_bytes()[:-500],
                         "application/dicom"))]  # a truncated slice: the job fails
     failed = httpx.post(url + "/v1/jobs?model=thr", files=broken).json()["id"]
-    assert _wait(url, failed, ("succeeded", "failed"))["state"] == "failed"
+    job = _wait(url, failed, ("succeeded", "failed"))
+    assert job["state"] == "failed"
+    assert job["error"].startswith("IM0.dcm: pixel data is truncated"), job["error"]  # the client's name for it
     assert not (jobs / failed / "input").exists()
