@@ -222,8 +222,20 @@ class BundlePredictor:
 
     @torch.no_grad()
     def infer_tensor(self, batch: torch.Tensor) -> torch.Tensor:
-        """The bundle's inferer over its network on a preprocessed (N, C, X, Y, Z) batch: raw network output."""
+        """The bundle's inferer over its network on a preprocessed (N, C, X, Y, Z) batch: raw network output.
+
+        A failure is an InferenceError (InferenceOutOfMemory when memory ran out) naming the batch's shape.
+        """
+        with self._stage(self._network_stage, f"the input tensor of shape {list(batch.shape)}"):
+            return self._network_output(batch)
+
+    @torch.no_grad()
+    def _network_output(self, batch: torch.Tensor) -> torch.Tensor:
         return self.inferer(batch.to(self.device), self.network)
+
+    @property
+    def _network_stage(self) -> str:
+        return f"network/inferer ({type(self.inferer).__name__})"
 
     def predict(self, volume: hd.Volume) -> np.ndarray:
         """Label map (uint16, same (slice, row, column) shape and geometry as `volume.array`).
@@ -232,22 +244,23 @@ class BundlePredictor:
         BundleError naming the bundle, the stage, the volume's shape and the original error (chained).
         """
         shape = tuple(volume.array.shape)
+        on = f"the input volume of shape {shape} (slice, row, column)"
         if len(shape) != 3:
             raise InferenceError(f"bundle {self.name}: input volume has shape {shape}; expected 3 dimensions "
                                  f"(slice, row, column)")
         with self._lock:
-            with self._stage("preprocessing", shape):
+            with self._stage("preprocessing", on):
                 data = self.preprocessing({self.image_key: self._as_loaded_image(volume)})
                 image = data[self.image_key]
-            with self._stage(f"network/inferer ({type(self.inferer).__name__})", shape):
-                data[self.output_key] = self.infer_tensor(image.unsqueeze(0))[0].to("cpu")
+            with self._stage(self._network_stage, on):
+                data[self.output_key] = self._network_output(image.unsqueeze(0))[0].to("cpu")
             if self.postprocessing is not None:
-                with self._stage("postprocessing", shape), MaxIndicesArgmax():
+                with self._stage("postprocessing", on), MaxIndicesArgmax():
                     data = self.postprocessing(data)
         return self._label_map(self._prediction(data), shape)
 
     @contextlib.contextmanager
-    def _stage(self, stage: str, shape: tuple[int, ...]) -> Iterator[None]:
+    def _stage(self, stage: str, on: str) -> Iterator[None]:
         """Turn an error of the bundle's components into a one-line BundleError; out of memory says so.
 
         Only Exception is caught: KeyboardInterrupt and SystemExit pass through untouched.
@@ -257,7 +270,7 @@ class BundlePredictor:
         except BundleError:
             raise
         except Exception as error:  # torch and MONAI components raise any type
-            where = f"bundle {self.name}: {stage} failed on the input volume of shape {shape} (slice, row, column)"
+            where = f"bundle {self.name}: {stage} failed on {on}"
             memory = _out_of_memory(error)
             if memory == "gpu":
                 if torch.cuda.is_available():

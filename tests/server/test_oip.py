@@ -71,3 +71,29 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
     thr_server.store.wait_until("broken", ("available",), 30)
     r = httpx.post(thr_server.url + "/v2/models/broken/infer", json={"inputs": [tensor]})
     assert r.status_code == 409 and "failed to load" in r.json()["error"], r.text
+
+
+class Raising(torch.nn.Module):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        raise self.error
+
+
+@pytest.mark.parametrize("error,status", [(RuntimeError("Sizes of tensors must match"), 422), (MemoryError(), 503)],
+                         ids=["fails", "out-of-memory"])
+def test_a_failing_network_is_a_4xx_or_503_naming_bundle_and_shape(thr_server, error, status) -> None:
+    predictor = thr_server.store.predictor("thr")
+    network, predictor.network = predictor.network, Raising(error)
+    tensor = {"name": "INPUT", "datatype": "FP32", "shape": [1, 1, 2, 2, 2], "data": [0.0] * 8}
+    try:
+        r = httpx.post(thr_server.url + "/v2/models/thr/infer", json={"inputs": [tensor]})
+    finally:
+        predictor.network = network
+    assert r.status_code == status, r.text
+    assert r.json()["error"].startswith("bundle thr: network/inferer (SlidingWindowInferer) failed on the input "
+                                        "tensor of shape [1, 1, 2, 2, 2]: "), r.text
+    metrics = httpx.get(thr_server.url + "/metrics").text
+    assert f'medserve_requests_total{{endpoint="v2",model="thr",status="{status}"}} 1.0' in metrics
