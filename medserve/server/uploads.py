@@ -125,10 +125,15 @@ class UploadStore:
     def delete(self, upload_id: str) -> None:
         for path in self._paths(upload_id):
             path.unlink(missing_ok=True)
+        if not self.busy(upload_id):
+            self._locks.pop(upload_id, None)
 
     def finished(self, upload_id: str) -> Path:
         """The file of a complete upload, for `{"upload": id}` inputs."""
         info = self.info(upload_id)
+        if self.busy(upload_id):  # its last bytes may still be rolled back (a checksum that does not match)
+            raise ApiError(409, "upload_in_progress", f"upload {upload_id!r} is being written by a PATCH; use it "
+                           f"once that has ended")
         offset = self.offset(upload_id)
         if offset != info.length:
             raise ApiError(409, "upload_incomplete",
@@ -241,10 +246,12 @@ async def patch(request: Request, upload_id: str) -> Response:
             checksum = (CHECKSUMS[algo](), base64.b64decode(digest.strip(), validate=True))
         except binascii.Error as error:
             raise ApiError(400, "bad_checksum", "Upload-Checksum digest is not base64") from error
+    # 404/410 first, so that only uploads that exist get a lock; no await until the lock is held, so nothing
+    # runs in between.
+    info = store.info(upload_id)
     lock = store.lock(upload_id)
     if lock.locked():
         raise ApiError(423, "upload_locked", "another PATCH is writing this upload", {"Tus-Resumable": TUS_VERSION})
-    info = store.info(upload_id)  # 410 when expired; no await until the lock is held, so nothing runs in between
     async with lock:
         data_path = store._paths(upload_id)[0]
         offset = store.offset(upload_id)

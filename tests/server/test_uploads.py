@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import os
@@ -15,6 +16,7 @@ from tusclient import client as tus
 from tusclient.storage.filestorage import FileStorage
 
 from medserve.server.errors import ApiError
+from medserve.server.uploads import UploadStore
 from tests.server.conftest import add_bundle
 
 TUS = {"Tus-Resumable": "1.0.0"}
@@ -166,3 +168,34 @@ def test_a_patch_running_past_the_expiry_keeps_the_upload(make_server) -> None:
     with pytest.raises(ApiError) as refused:
         uploads.touch(info)
     assert refused.value.status == 404
+
+
+def test_an_upload_being_written_is_not_handed_to_inference(tmp_path: Path) -> None:
+    store = UploadStore(tmp_path, max_bytes=1024, expiry_seconds=60)
+    info = store.create(4, {})
+    store._paths(info.id)[0].write_bytes(b"DICM")  # complete, but a PATCH may still roll its last bytes back
+
+    async def while_patching() -> None:
+        async with store.lock(info.id):
+            with pytest.raises(ApiError) as raised:
+                store.finished(info.id)
+            assert (raised.value.status, raised.value.code) == (409, "upload_in_progress")
+
+    asyncio.run(while_patching())
+    assert store.finished(info.id) == store._paths(info.id)[0]
+
+
+def test_only_existing_uploads_get_a_lock_and_deleted_ones_drop_it(make_server) -> None:
+    server = make_server()
+    uploads = server.app.state.uploads
+    for _ in range(3):
+        r = httpx.patch(f"{server.url}/v1/uploads/{os.urandom(16).hex()}", content=b"x",
+                        headers={**TUS, "Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"})
+        assert r.status_code == 404, r.text
+    created = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Upload-Length": "1"})
+    location = created.headers["Location"]
+    assert httpx.patch(location, content=b"x", headers={**TUS, "Upload-Offset": "0",
+                                                        "Content-Type": "application/offset+octet-stream"}).status_code == 204
+    assert len(uploads._locks) == 1
+    assert httpx.delete(location, headers=TUS).status_code == 204
+    assert uploads._locks == {}
