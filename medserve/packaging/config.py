@@ -110,10 +110,11 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     for key in application:
         if key in APPLICATION_KEYS:
             continue
-        kebab = _camel_to_kebab(key)
+        kebab = _camel_to_kebab(key).replace("_", "-")
         if kebab in APPLICATION_KEYS:
+            spelling = "snake_case" if "_" in key else "camelCase"
             raise PackagingError(
-                f"{path}: application.{key} is camelCase; holoscan-cli 4.2 reads application.{kebab} "
+                f"{path}: application.{key} is {spelling}; holoscan-cli 4.2 reads application.{kebab} "
                 "and would silently ignore it"
             )
         logger.warning("%s: unknown key application.%s is ignored by the packager", path, key)

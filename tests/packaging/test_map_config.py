@@ -66,6 +66,8 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
          "application.inputFormats is camelCase; holoscan-cli 4.2 reads application.input-formats"),
         ({"application": {"title": "T", "version": "1", "pipPackages": ["x"]}, "resources": {}},
          "application.pip-packages"),
+        ({"application": {"title": "T", "version": "1", "pip_packages": ["x"]}, "resources": {}},
+         "application.pip_packages is snake_case; holoscan-cli 4.2 reads application.pip-packages"),
         ({"application": {"title": "T", "version": "1"}, "resources": {"gpu-memory": "1Gi"}},
          "resources.gpu-memory is kebab-case; the MAP runner reads resources.gpuMemory"),
         ({"application": {"title": "T", "version": "1"}, "resources": {"gpu": "one"}}, "resources.gpu"),
