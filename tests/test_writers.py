@@ -107,6 +107,28 @@ def test_long_names_and_backslashes_become_valid_single_values(tmp_path):
     assert (algorithm.AlgorithmName, algorithm.AlgorithmVersion) == (long_name[:64], long_version[:64])
 
 
+@pytest.mark.parametrize("labels,character_set", [({1: "Rétine", 2: "肝臓"}, "ISO_IR 192"),
+                                                  ({1: "Rétine", 2: "spleen"}, "ISO_IR 100")],
+                         ids=["beyond-latin-1", "latin-1"])
+def test_names_the_source_character_set_cannot_hold_make_the_seg_utf8(tmp_path, labels, character_set):
+    phantom = make_phantom(shape=(4, 16, 16), seed=4)
+    written = write_ct_series(phantom.hu, tmp_path / "study")
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.SpecificCharacterSet, dataset.PatientName = "ISO_IR 100", "Müller^Jürgen"
+        dataset.save_as(path)
+    loaded = load_series(index_folder(tmp_path / "study").all_series[0])
+    label_map = np.zeros(loaded.volume.array.shape, np.uint16)
+    label_map[1, 2:6, 2:6], label_map[2, 8:12, 8:12] = 1, 2
+    path = write_seg(build_seg(label_map, loaded.source_datasets, labels, Algorithm("algo", "1")),
+                     tmp_path / "seg.dcm")
+    assert dciodvfy_errors(path) == []
+    back = pydicom.dcmread(path)
+    assert back.SpecificCharacterSet == character_set
+    assert [d.SegmentLabel for d in back.SegmentSequence] == list(labels.values())
+    assert back.PatientName == "Müller^Jürgen"
+
+
 ANATOMY, ABNORMAL, OBJECT, TISSUE = ("91723000", "49755003", "260787004", "85756007")  # CID 7150 categories
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import highdicom as hd
 import highdicom._standard_utils as hd_standard_utils
 import numpy as np
+from pydicom.charset import convert_encodings
 from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
@@ -172,11 +173,12 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
     numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
     first = _with_type2_attributes(source[0])
     _cache_iod_attribute_lookup()
-    return hd.seg.Segmentation(
+    descriptions = segment_descriptions(labels, numbers, algorithm)
+    segmentation = hd.seg.Segmentation(
         source_images=[first, *source[1:]],
         pixel_array=pixels,
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
-        segment_descriptions=segment_descriptions(labels, numbers, algorithm),
+        segment_descriptions=descriptions,
         series_instance_uid=generate_uid(),
         series_number=series_number,
         sop_instance_uid=generate_uid(),
@@ -191,6 +193,22 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         content_creator_name=None,
         content_description=_long_string(f"Segmentation of series {first.SeriesInstanceUID}"),
     )
+    _declare_character_set(segmentation, [label for label in labels.values()] + [algorithm.name, algorithm.version])
+    return segmentation
+
+
+def _declare_character_set(segmentation: hd.seg.Segmentation, texts: list[str]) -> None:
+    """Switch the SEG to UTF-8 (ISO_IR 192) when the source's character set (ASCII when it declares none) cannot
+    hold the bundle's names: pydicom would write '?' for what it cannot encode. Values copied from the source
+    are decoded text by now and are written in UTF-8 as well."""
+    declared = segmentation.get("SpecificCharacterSet")
+    encodings = convert_encodings(declared) if declared else ["ascii"]
+    for text in texts:
+        try:
+            text.encode(encodings[0])
+        except UnicodeEncodeError:
+            segmentation.SpecificCharacterSet = "ISO_IR 192"
+            return
 
 
 def _long_string(text: str) -> str:
