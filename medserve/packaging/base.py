@@ -9,6 +9,7 @@ Debian bookworm's python3 is 3.11, which the holoscan-cu13 4.2 / torch cp311 whe
 
 from __future__ import annotations
 
+import argparse
 import logging
 import shutil
 import subprocess
@@ -56,6 +57,20 @@ def build_base_image(tag: str = layout.DEFAULT_BASE_IMAGE, suite: str = "bookwor
     return tag
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m medserve.packaging.base",
+                                     description="Build the minimal MAP base image (debootstrap + podman import).")
+    parser.add_argument("tag", nargs="?", default=layout.DEFAULT_BASE_IMAGE,
+                        help=f"image tag (default {layout.DEFAULT_BASE_IMAGE})")
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    print(build_base_image(*sys.argv[1:2]))
+    try:
+        print(build_base_image(args.tag))
+    except PackagingError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,7 +26,7 @@ from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
                                     validation_error_handler)
 from medserve.server.inputs import InputSpec, parse_input
-from medserve.server.jobs import JobQueue
+from medserve.server.jobs import STATES, JobQueue
 from medserve.server.metrics import Metrics
 from medserve.server.runner import execute_async, pull
 from medserve.server.store import ModelStore, check_model_name
@@ -36,6 +36,7 @@ log = logging.getLogger("medserve.server.app")
 
 MEDIA = {"seg": "application/dicom", "nifti": "application/gzip"}
 FILENAMES = {"seg": "seg.dcm", "nifti": "labels.nii.gz"}
+MAX_JOBS_LISTED = 1000
 
 
 def check_format(fmt: Any) -> str:
@@ -207,7 +208,11 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/jobs", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def list_jobs(state: str | None = None, limit: int = 100) -> dict[str, Any]:
-        return {"jobs": jobs.list(state, min(max(limit, 1), 1000))}
+        if state is not None and state not in STATES:
+            raise ApiError(400, "bad_parameter", f"state {state!r} is not one of {', '.join(STATES)}")
+        if not 1 <= limit <= MAX_JOBS_LISTED:
+            raise ApiError(400, "bad_parameter", f"limit {limit} is not between 1 and {MAX_JOBS_LISTED}")
+        return {"jobs": jobs.list(state, limit)}
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def get_job(job_id: str) -> dict[str, Any]:

@@ -231,6 +231,10 @@ class JobQueue:
         return rows[0] if rows else None
 
     def _work(self) -> None:
+        # Until the first scan of the store has settled, every model is unknown or still settling: a job claimed
+        # then (a re-run after a restart) would fail for nothing.
+        while not self._stop.is_set() and not self.store.scanned.wait(timeout=1.0):
+            pass
         while not self._stop.is_set():
             row = self._claim()
             if row is None:

@@ -15,6 +15,7 @@ import anyio
 
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, with_retries
+from medserve.server.errors import ApiError
 from medserve.server.inputs import InputSpec
 from medserve.server.maps import MapModel
 from medserve.server.store import ModelStore
@@ -75,9 +76,24 @@ def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nif
     Waits for the model in this thread for as long as it takes; `on_stage` raising (a cancelled job) stops it."""
     start = time.monotonic()
     on_stage("waiting for the model", 0.3)
+    _wait_while_settling(store, name, lambda: on_stage("waiting for the model's files to settle", 0.3))
     with store.use(name, lambda: on_stage("waiting for the model", 0.3)) as queued:
         on_stage("inferring", 0.4)
         return _run(store, name, spec, out_dir, nifti, queued, start)
+
+
+def _wait_while_settling(store: ModelStore, name: str, check: Callable[[], None]) -> None:
+    """Jobs: a model whose files are still being copied (or were just found at a restart) is waited for, where a
+    sync request gets 503 model_settling; `check` runs every second and may raise (a cancelled job)."""
+    while True:
+        try:
+            store.predictor(name)  # loads it now on a cold start, as the run would
+            return
+        except ApiError as error:
+            if error.code != "model_settling":
+                raise
+        check()
+        time.sleep(1.0)
 
 
 async def execute_async(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nifti: bool) -> Outcome:

@@ -341,3 +341,11 @@ def test_tools_script_is_the_official_one() -> None:
 
     official = resources.files("holoscan_cli.packager").joinpath("templates/tools.sh").read_text()
     assert tools_script() == official and "extract" in official
+
+
+def test_base_image_help_builds_nothing(capsys) -> None:
+    from medserve.packaging import base
+
+    with pytest.raises(SystemExit) as exited:
+        base.main(["--help"])
+    assert exited.value.code == 0 and "image tag" in capsys.readouterr().out

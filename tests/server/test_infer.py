@@ -283,6 +283,9 @@ def test_every_error_has_the_json_shape(thr_server) -> None:
     url = thr_server.url
     for response, status, code in (
             (httpx.get(url + "/v1/jobs?limit=abc"), 400, "bad_parameter"),
+            (httpx.get(url + "/v1/jobs?limit=-1"), 400, "bad_parameter"),
+            (httpx.get(url + "/v1/jobs?limit=1001"), 400, "bad_parameter"),
+            (httpx.get(url + "/v1/jobs?state=bogus"), 400, "bad_parameter"),
             (httpx.get(url + "/v1/nothing"), 404, "not_found"),
             (httpx.put(url + "/v1/jobs"), 405, "method_not_allowed"),
             (httpx.get(url + "/v1/jobs/" + "0" * 32 + "/result?format=bogus"), 400, "bad_format")):

@@ -228,3 +228,27 @@ def test_a_job_cancelled_while_queued_drops_its_input_and_a_failed_one_too(make_
     assert job["state"] == "failed"
     assert job["error"].startswith("IM0.dcm: pixel data is truncated"), job["error"]  # the client's name for it
     assert not (jobs / failed / "input").exists()
+
+
+def test_a_job_on_a_model_still_being_copied_waits_for_it(make_server, study: Path) -> None:
+    server = make_server(stable_seconds=2.0)
+    add_bundle(server.config.store, "fresh", make_threshold_bundle(Path(server.config.data_dir) / "fresh_bundle"))
+    deadline = time.monotonic() + 10
+    while not any(e.name == "fresh" for e in server.store.entries()):  # found, but not settled yet
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert server.store.entry("fresh").state == "copying"
+    job = httpx.post(server.url + "/v1/jobs?model=fresh", files=multipart_files(study)).json()
+    done = _wait(server.url, job["id"], ("succeeded", "failed"))
+    assert done["state"] == "succeeded", done
+
+
+def test_a_job_interrupted_by_a_stop_is_rerun_after_the_restart(make_server, study: Path) -> None:
+    first = with_thr(make_server())
+    with first.store.use("thr", lambda: None):  # the model is busy: the job waits, claimed, when the server stops
+        job = httpx.post(first.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait(first.url, job["id"], ("running",))
+        first.__exit__(None, None, None)
+    second = make_server(port=free_port())  # the same store and data folder; the model is found anew
+    done = _wait(second.url, job["id"], ("succeeded", "failed"))
+    assert done["state"] == "succeeded" and done["attempts"] == 2, done
