@@ -60,6 +60,11 @@ class Cancelled(Exception):
     pass
 
 
+class ServerStopping(Exception):
+    """The server is stopping: a running job goes back to the queue (or, once the database is closed, is left
+    `running` for `recover`) and runs again at the next start."""
+
+
 def _iso(ts: float | None) -> str | None:
     if ts is None:
         return None
@@ -80,6 +85,7 @@ class JobQueue:
         self._db.execute("PRAGMA journal_mode=WAL")  # durable against a killed process, cheap commits
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
+        self._closed = False
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._workers: list[threading.Thread] = []
@@ -88,6 +94,8 @@ class JobQueue:
     # ---- persistence -----------------------------------------------------------------------------------
     def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
+            if self._closed:  # a worker still running when the server stopped
+                raise ServerStopping()
             return self._db.execute(sql, args).fetchall()
 
     def recover(self) -> None:
@@ -221,6 +229,7 @@ class JobQueue:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._db.close()
 
     def _claim(self) -> sqlite3.Row | None:
@@ -244,12 +253,25 @@ class JobQueue:
             self._run(row)
 
     def _progress(self, job_id: str, stage: str, progress: float) -> None:
+        if self._stop.is_set():
+            raise ServerStopping()
         rows = self._exec("UPDATE jobs SET stage=?, progress=? WHERE id=? AND state='running' RETURNING id",
                           (stage, progress, job_id))
         if not rows:
             raise Cancelled()
 
     def _run(self, row: sqlite3.Row) -> None:
+        try:
+            self._attempt(row)
+        except ServerStopping:
+            try:  # not the job's fault: it goes back to the queue without using up an attempt
+                self._exec("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, "
+                           "stage='requeued: the server stopped' WHERE id=? AND state='running'", (row["id"],))
+            except ServerStopping:
+                pass  # the database is closed already: recover() re-runs it at the next start
+            log.info("job %s interrupted by the server's stop; it runs again at the next start", row["id"])
+
+    def _attempt(self, row: sqlite3.Row) -> None:
         job_id, model = row["id"], row["model"]
         spec = InputSpec.from_json(json.loads(row["input"]))
         folder = self.job_dir(job_id)
@@ -277,6 +299,8 @@ class JobQueue:
             if not updated:
                 raise Cancelled()
             log.info("job %s succeeded in %.2f s", job_id, timings["total_s"])
+        except ServerStopping:
+            raise
         except Cancelled:
             log.info("job %s was cancelled; dropping its output", job_id)
             shutil.rmtree(tmp, ignore_errors=True)

@@ -243,6 +243,7 @@ def test_a_job_on_a_model_still_being_copied_waits_for_it(make_server, study: Pa
     assert done["state"] == "succeeded", done
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # the stop is no crash
 def test_a_job_interrupted_by_a_stop_is_rerun_after_the_restart(make_server, study: Path) -> None:
     first = with_thr(make_server())
     with first.store.use("thr", lambda: None):  # the model is busy: the job waits, claimed, when the server stops
@@ -251,4 +252,4 @@ def test_a_job_interrupted_by_a_stop_is_rerun_after_the_restart(make_server, stu
         first.__exit__(None, None, None)
     second = make_server(port=free_port())  # the same store and data folder; the model is found anew
     done = _wait(second.url, job["id"], ("succeeded", "failed"))
-    assert done["state"] == "succeeded" and done["attempts"] == 2, done
+    assert done["state"] == "succeeded" and done["attempts"] == 1, done  # a stop does not use up an attempt
