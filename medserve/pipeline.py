@@ -106,21 +106,13 @@ def volume_from_nifti(path: Path) -> hd.Volume:
         raise DicomInputError(f"{path}: not a readable NIfTI image ({error})") from error
     if array.ndim != 3:
         raise DicomInputError(f"{path}: NIfTI image has {array.ndim} dimensions; expected a 3D volume")
-    affine = image.affine
-    if not np.all(np.isfinite(affine)) or not _is_rotation_and_scaling(affine[:3, :3]):
-        raise DicomInputError(f"{path}: NIfTI affine {np.round(affine, 4).tolist()} is not a rotation and scaling of "
-                              f"the voxel grid; expected orthogonal axes with non-zero spacings")
-    return hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=lps_affine(affine),
-                     coordinate_system="PATIENT")
-
-
-def _is_rotation_and_scaling(matrix: np.ndarray) -> bool:
-    """Orthogonal, non-zero columns (within highdicom's tolerance for a volume's affine)."""
-    spacings = np.linalg.norm(matrix, axis=0)
-    if np.any(spacings == 0):
-        return False
-    directions = matrix / spacings
-    return bool(np.allclose(directions.T @ directions, np.eye(3), atol=1e-4))
+    try:  # highdicom refuses an affine whose axes are not orthogonal with finite, non-zero spacings
+        return hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=lps_affine(image.affine),
+                         coordinate_system="PATIENT")
+    except ValueError as error:
+        raise DicomInputError(f"{path}: NIfTI affine {np.round(image.affine, 4).tolist()} is not a rotation and "
+                              f"scaling of the voxel grid; expected orthogonal axes with non-zero spacings "
+                              f"({error})") from error
 
 
 def run_nifti(nifti_path: Path | str, predictor: BundlePredictor, out_dir: Path | str) -> StudyResult:

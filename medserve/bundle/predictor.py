@@ -220,7 +220,6 @@ class BundlePredictor:
         """The bundle's preprocessing applied to `volume`: a (C, X, Y, Z) MetaTensor in the network's space."""
         return self.preprocessing({self.image_key: self._as_loaded_image(volume)})[self.image_key]
 
-    @torch.no_grad()
     def infer_tensor(self, batch: torch.Tensor) -> torch.Tensor:
         """The bundle's inferer over its network on a preprocessed (N, C, X, Y, Z) batch: raw network output.
 

@@ -155,11 +155,12 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
     for k, instance in enumerate(instances):
         dataset = instance.dataset
         for keyword in ("Rows", "Columns"):
-            if dataset.get(keyword) is None:
+            size = dataset.get(keyword)
+            if size is None:
                 raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every "
                                   f"slice")
-            if int(dataset.get(keyword)) <= 0:
-                raise VolumeError(f"{instance.path}: {keyword} is {dataset.get(keyword)}; expected at least 1")
+            if int(size) <= 0:
+                raise VolumeError(f"{instance.path}: {keyword} is {size}; expected at least 1")
         if int(dataset.get("SamplesPerPixel", 1)) != 1:
             raise VolumeError(f"{instance.path}: SamplesPerPixel is {dataset.SamplesPerPixel}; expected 1 "
                               f"(greyscale CT/MR)")

@@ -256,10 +256,11 @@ async def patch(request: Request, upload_id: str) -> Response:
         data_path = store._paths(upload_id)[0]
         offset = store.offset(upload_id)
         claimed = request.headers.get("upload-offset")
-        if header_int(claimed) is None:
+        claimed_offset = header_int(claimed)
+        if claimed_offset is None:
             raise ApiError(400, "bad_upload_offset", f"Upload-Offset must be a non-negative integer, not {claimed!r}",
                            {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
-        if header_int(claimed) != offset:
+        if claimed_offset != offset:
             raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
                            {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
         received = await _receive(request, data_path, offset, info.length, checksum)

@@ -173,12 +173,11 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
     numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
     first = _with_type2_attributes(source[0])
     _cache_iod_attribute_lookup()
-    descriptions = segment_descriptions(labels, numbers, algorithm)
     segmentation = hd.seg.Segmentation(
         source_images=[first, *source[1:]],
         pixel_array=pixels,
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
-        segment_descriptions=descriptions,
+        segment_descriptions=segment_descriptions(labels, numbers, algorithm),
         series_instance_uid=generate_uid(),
         series_number=series_number,
         sop_instance_uid=generate_uid(),
@@ -193,7 +192,7 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         content_creator_name=None,
         content_description=_long_string(f"Segmentation of series {first.SeriesInstanceUID}"),
     )
-    _declare_character_set(segmentation, [label for label in labels.values()] + [algorithm.name, algorithm.version])
+    _declare_character_set(segmentation, [*labels.values(), algorithm.name, algorithm.version])
     return segmentation
 
 
