@@ -393,7 +393,7 @@ def worker_profile(syntax: str) -> dict:
     # Pixels are read by worker threads, which cProfile does not see: their time is what remains.
     accounted = sum(stages[k] for k in ("  _check_geometry_attributes", "  _slice_order (highdicom get_volume_positions)",
                                         "  hd.Volume(...) + affine"))
-    stages["  _read_pixels_into (threads: read/decode, first touch of the array, rescale)"] = max(t3 - t2 - accounted, 0)
+    stages["  read_slices (threads: read/decode, first touch of the array, rescale)"] = max(t3 - t2 - accounted, 0)
     top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:15]
     top_rows = [{"function": f"{Path(file).name}:{line}({name})", "calls": value[1], "tottime_s": round(value[2], 4),
                  "cumtime_s": round(value[3], 4)} for (file, line, name), value in top]

@@ -22,7 +22,7 @@ from medserve.demo.phantom import make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import load_series, ras_affine, series_to_volume
+from medserve.dicom.volume import load_series, ordered_instances, ras_affine, series_to_volume
 from medserve.errors import DicomInputError, VolumeError
 from medserve.pipeline import volume_from_nifti
 
@@ -281,6 +281,41 @@ def test_truncated_file_is_refused_naming_it(tmp_path, phantom):
     victim.write_bytes(victim.read_bytes()[:-1000])
     with pytest.raises((VolumeError, DicomInputError), match=victim.name):
         volume_of(tmp_path)
+
+
+def _paths_in_slice_order(folder: Path) -> list[Path]:
+    return [instance.path for instance in ordered_instances(index_folder(folder).all_series[0])]
+
+
+def test_of_several_unreadable_slices_the_first_along_the_normal_is_named(tmp_path, phantom):
+    _write(tmp_path, phantom)
+    paths = _paths_in_slice_order(tmp_path)
+    for victim in (paths[2], paths[-3]):  # one in each reading thread's run of slices
+        victim.write_bytes(victim.read_bytes()[:-1000])
+    for _ in range(3):
+        with pytest.raises(VolumeError, match=f"{paths[2].name}: pixel data is truncated"):
+            volume_of(tmp_path)
+
+
+def test_each_slice_keeps_its_own_rescale(tmp_path, phantom):
+    _write(tmp_path, phantom)
+    reference = volume_of(tmp_path).array.copy()
+    paths = _paths_in_slice_order(tmp_path)
+    intercept = float(pydicom.dcmread(paths[0], stop_before_pixels=True).RescaleIntercept)
+    for k, path in enumerate(paths):
+        dataset = pydicom.dcmread(path)
+        if k == 3:
+            del dataset.RescaleIntercept  # absent: 0
+        else:
+            dataset.RescaleIntercept = f"{intercept + k % 4}"
+        dataset.save_as(path)
+    series = index_folder(tmp_path).all_series[0]
+    by_path = {instance.path: instance for instance in series.instances}
+    by_path[paths[4]].dataset.RescaleIntercept = intercept + 100  # converted by pydicom: no stored bytes left
+    expected = reference + (np.arange(len(paths)) % 4)[:, None, None]
+    expected[3] = reference[3] - intercept
+    expected[4] = reference[4] + 100
+    np.testing.assert_allclose(series_to_volume(series).array, expected, atol=1e-3)
 
 
 def test_missing_geometry_attribute_is_refused(tmp_path, phantom):

@@ -1,7 +1,7 @@
 """Index a folder of DICOM files by study and series, reading headers only.
 
 Pixel data is never read here: each instance remembers where its Pixel Data element starts in the file, so
-that `medserve.dicom.volume` can read the pixels of the one series that is used, straight into the volume.
+that `medserve.dicom.pixels` can read the pixels of the one series that is used, straight into the volume.
 While the headers are parsed, memory for the first series' volume is faulted in on a background thread
 (`medserve.dicom.memory`).
 """

@@ -6,40 +6,30 @@ from highdicom (`get_volume_positions`); we only check the series first, so that
 with the reason rather than turned into a silently wrong volume. The checks read positions, orientations and
 spacings as stored (`medserve.dicom.values`), not through pydicom's per-value conversion.
 
-Uncompressed little-endian pixel data is read straight from the file into the preallocated volume (no
-per-file dataset copy) and so is RLE Lossless, decoded by imagecodecs (its decoder releases the GIL, so the
-threads decode in parallel; pylibjpeg-rle's holds it); other compressed transfer syntaxes are decoded by pydicom's
-plugins. Several slices are read at once. The volume's memory comes from `medserve.dicom.memory`: ordinary pages,
-already faulted in while the folder was indexed when the series is the first one found.
+Pixels are read into the volume slice by slice (`medserve.dicom.pixels`), several at once. The volume's memory
+comes from `medserve.dicom.memory`: ordinary pages, already faulted in while the folder was indexed when the
+series is the first one found.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import highdicom as hd
-import imagecodecs
 import numpy as np
 import pydicom
-from pydicom.encaps import generate_frames
-from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
 
 from medserve.dicom.index import Instance, Series
 from medserve.dicom.memory import volume_array
-from medserve.dicom.values import decimal_values, stored_bytes, uid_value
+from medserve.dicom.pixels import read_slices
+from medserve.dicom.values import decimal_values, stored_bytes
 from medserve.errors import VolumeError
 
 log = logging.getLogger("medserve.dicom.volume")
 
-# Read from the stored offset. Deflated Explicit VR (1.2.840.10008.1.2.1.99) is not here: its Pixel Data is
-# inside the deflated stream, so pydicom reads it whole.
-_NATIVE_LITTLE_ENDIAN = {ImplicitVRLittleEndian, ExplicitVRLittleEndian}
-_PIXEL_DATA_VRS = (b"OB", b"OW", b"UN")
 _ORIENTATION_TOLERANCE = 1e-4
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
@@ -76,7 +66,7 @@ def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()
     shape = (len(ordered), int(first.Rows), int(first.Columns))
     prepared = series.volume_memory.take(shape) if series.volume_memory is not None else None
     array = prepared if prepared is not None else volume_array(shape)
-    _read_pixels_into(ordered, array)
+    read_slices(ordered, array)
     volume = hd.Volume(array=array, affine=slice_affine(first, spacing), coordinate_system="PATIENT",
                        frame_of_reference_uid=first.get("FrameOfReferenceUID"))
     return LoadedSeries(series, volume, ordered)
@@ -252,155 +242,6 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
     for position, volume_index in enumerate(indices):
         order[volume_index] = position
     return order, float(spacing)
-
-
-def _read_pixels_into(instances: list[Instance], array: np.ndarray) -> None:
-    """Fill `array[k]` with slice k of `instances`, rescaled to modality units, in place.
-
-    Slices are read by a few threads: file reads, the RLE decoder and numpy's conversions release the GIL for
-    most of their time, and each thread writes only its own slices of the preallocated array.
-    """
-    def read(k: int) -> None:
-        instance = instances[k]
-        syntax = uid_value(instance.dataset.file_meta, "TransferSyntaxUID")
-        if syntax in _NATIVE_LITTLE_ENDIAN:
-            _read_native_slice(instance, array[k])
-        elif syntax == RLELossless:
-            _decode_rle_slice(instance, array[k])
-        else:
-            _decode_slice(instance, array[k])
-
-    workers = max(1, min(len(instances), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        list(pool.map(read, range(len(instances))))
-
-
-def _pixel_dtype(instance: Instance) -> np.dtype:
-    dataset = instance.dataset
-    for keyword in ("BitsAllocated", "PixelRepresentation"):
-        if dataset.get(keyword) is None:
-            raise VolumeError(f"{instance.path}: {keyword} is missing; the pixels cannot be read without it")
-    bits = int(dataset.BitsAllocated)
-    if bits not in (8, 16, 32):
-        raise VolumeError(f"{instance.path}: BitsAllocated {bits} is not supported; expected 8, 16 or 32")
-    stored = int(dataset.get("BitsStored") or bits)
-    if not 0 < stored <= bits:
-        raise VolumeError(f"{instance.path}: BitsStored {stored} does not fit BitsAllocated {bits}; expected 1 to "
-                          f"{bits}")
-    kind = "i" if int(dataset.PixelRepresentation) == 1 else "u"
-    return np.dtype(f"<{kind}{bits // 8}")
-
-
-def _pixel_value(instance: Instance, expected: int | None = None) -> tuple[int, bytes]:
-    """The Pixel Data element's declared length and the bytes after its header, read from the stored offset.
-
-    The header is read as it is written, not as the transfer syntax says: files whose body is Explicit VR under
-    an Implicit VR transfer syntax (or the reverse) exist, and pydicom reads their headers either way. After
-    the tag, an Explicit VR header has the VR (OB, OW or UN) and two zero bytes, then the length; an Implicit VR
-    one has the length. Only when that length is the `expected` one does an Explicit-looking header count as
-    Implicit (its length's low bytes spelling a VR).
-    """
-    if instance.pixel_data_offset is None:
-        raise VolumeError(f"{instance.path}: no Pixel Data element")
-    with instance.path.open("rb") as stream:
-        stream.seek(instance.pixel_data_offset + 4)
-        header = stream.read(8)
-        implicit_length = int.from_bytes(header[:4], "little")
-        explicit = header[:2] in _PIXEL_DATA_VRS and header[2:4] == b"\0\0"
-        if explicit and (expected is None or implicit_length not in (expected, expected + 1)):
-            return int.from_bytes(header[4:8], "little"), stream.read()
-        stream.seek(instance.pixel_data_offset + 8)
-        return implicit_length, stream.read()
-
-
-def _read_native_slice(instance: Instance, out: np.ndarray) -> None:
-    dtype = _pixel_dtype(instance)
-    expected = out.size * dtype.itemsize
-    declared, value = _pixel_value(instance, expected)
-    if declared < expected or len(value) < expected:
-        raise VolumeError(f"{instance.path}: pixel data is truncated ({min(len(value), declared)} of "
-                          f"{expected} bytes)")
-    if declared > expected + 1:  # one byte of padding to an even length is allowed
-        raise VolumeError(f"{instance.path}: pixel data holds {declared} bytes; Rows x Columns x BitsAllocated/8 "
-                          f"is {expected}: more than one frame, or Rows/Columns/BitsAllocated are wrong")
-    raw = _mask_stored_bits(instance.dataset, np.frombuffer(value, dtype=dtype, count=out.size))
-    _rescale_into(instance.dataset, raw.reshape(out.shape), out)
-
-
-def _decode_rle_slice(instance: Instance, out: np.ndarray) -> None:
-    """RLE Lossless straight from the file's encapsulated fragments with imagecodecs' DICOM RLE decoder."""
-    dtype = _pixel_dtype(instance)
-    _, value = _pixel_value(instance)
-    try:
-        frame = next(generate_frames(value, number_of_frames=1))
-        pixels = np.frombuffer(imagecodecs.dicomrle_decode(frame, dtype.str), dtype=dtype)
-    except Exception as error:  # damaged streams: StopIteration, ValueError, DicomrleError
-        raise VolumeError(f"{instance.path}: cannot decode pixel data ({_transfer_syntax_name(instance)}): "
-                          f"{error}") from error
-    if pixels.size != out.size:
-        raise VolumeError(f"{instance.path}: decoded frame has {pixels.size} pixels; expected {out.size}")
-    _rescale_into(instance.dataset, _mask_stored_bits(instance.dataset, pixels).reshape(out.shape), out)
-
-
-def _decode_slice(instance: Instance, out: np.ndarray) -> None:
-    try:
-        dataset = pydicom.dcmread(instance.path)
-        pixels = dataset.pixel_array
-    except Exception as error:  # decoders raise assorted types on damaged data
-        raise VolumeError(f"{instance.path}: cannot decode pixel data "
-                          f"({_transfer_syntax_name(instance)}): {error}") from error
-    if pixels.shape != out.shape:
-        raise VolumeError(f"{instance.path}: decoded frame has shape {pixels.shape}; expected {out.shape}")
-    _rescale_into(dataset, pixels, out)
-
-
-def _transfer_syntax_name(instance: Instance) -> str:
-    uid = instance.dataset.file_meta.get("TransferSyntaxUID")
-    return f"{uid.name} {uid}" if uid is not None else "no transfer syntax"
-
-
-def _mask_stored_bits(dataset: pydicom.Dataset, raw: np.ndarray) -> np.ndarray:
-    """Honour BitsStored < BitsAllocated: drop the unused high bits, sign-extending signed values."""
-    unused = raw.dtype.itemsize * 8 - int(dataset.get("BitsStored", raw.dtype.itemsize * 8))
-    if unused <= 0:
-        return raw
-    if raw.dtype.kind == "i":
-        return (raw << unused) >> unused
-    return raw & np.array((1 << (raw.dtype.itemsize * 8 - unused)) - 1, dtype=raw.dtype)
-
-
-def _rescale_into(dataset: pydicom.Dataset, pixels: np.ndarray, out: np.ndarray) -> None:
-    """out = pixels * slope + intercept, in float32.
-
-    The integers are cast into `out` first and scaled there: numpy's plain cast loop plus float32 arithmetic on
-    the cache-warm slice take 0.6x the time of one mixed-type ufunc, which casts through a small buffer.
-    """
-    slope, intercept = _rescale(dataset)
-    np.copyto(out, pixels, casting="unsafe")
-    if slope != 1.0:
-        out *= slope
-    if intercept != 0.0:
-        out += intercept
-
-
-def _rescale(dataset: pydicom.Dataset) -> tuple[np.float32, np.float32]:
-    """(RescaleSlope, RescaleIntercept), 1 and 0 when absent; a zero or non-finite one is a VolumeError."""
-    slope = _first_decimal(dataset, "RescaleSlope")
-    intercept = _first_decimal(dataset, "RescaleIntercept")
-    slope = 1.0 if slope is None else slope
-    intercept = 0.0 if intercept is None else intercept
-    if slope == 0.0 or not math.isfinite(slope) or not math.isfinite(intercept):
-        raise VolumeError(f"{dataset.filename}: RescaleSlope {slope} / RescaleIntercept {intercept}: expected a "
-                          f"finite, non-zero slope and a finite intercept")
-    return np.float32(slope), np.float32(intercept)
-
-
-def _first_decimal(dataset: pydicom.Dataset, keyword: str) -> float | None:
-    try:
-        values = decimal_values(dataset, keyword)
-    except ValueError as error:
-        raise VolumeError(f"{dataset.filename}: {error}") from None
-    return values[0] if values else None
 
 
 def _multiframe_volume(instance: Instance) -> hd.Volume:
