@@ -33,6 +33,8 @@ log = logging.getLogger("medserve.dicom.volume")
 _ORIENTATION_TOLERANCE = 1e-4
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
+# Compared as stored bytes across a series' slices: equal bytes, equal (already checked) values.
+_SLICE_SIZE = ("Rows", "Columns", "SamplesPerPixel")
 # With highdicom's (slice, row, column) index convention, a left-handed frame puts slices along +normal.
 _ALONG_NORMAL = "LEFT_HANDED"
 
@@ -142,21 +144,14 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
     shape = (first.dataset.get("Rows"), first.dataset.get("Columns"))
     positions = np.empty((len(instances), 3))
     reference: dict[str, tuple[bytes | None, np.ndarray]] = {}
+    checked_size: tuple[bytes | None, ...] | None = None  # stored bytes of a slice size that passed the checks
     for k, instance in enumerate(instances):
         dataset = instance.dataset
-        for keyword in ("Rows", "Columns"):
-            size = dataset.get(keyword)
-            if size is None:
-                raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every "
-                                  f"slice")
-            if int(size) <= 0:
-                raise VolumeError(f"{instance.path}: {keyword} is {size}; expected at least 1")
-        if int(dataset.get("SamplesPerPixel", 1)) != 1:
-            raise VolumeError(f"{instance.path}: SamplesPerPixel is {dataset.SamplesPerPixel}; expected 1 "
-                              f"(greyscale CT/MR)")
-        if (dataset.Rows, dataset.Columns) != shape:
-            raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
-                              f"{shape[0]}x{shape[1]} of {first.path}: mixed sizes in one series")
+        stored_size = tuple(stored_bytes(dataset, keyword) for keyword in _SLICE_SIZE)
+        if stored_size != checked_size:
+            _check_slice_size(instance, shape, first)
+            if None not in stored_size[:2] and (stored_size[2] is not None or "SamplesPerPixel" not in dataset):
+                checked_size = stored_size
         positions[k] = _geometry_values(instance, "ImagePositionPatient", 3)
         for keyword, count, limit, what in (("ImageOrientationPatient", 6, _ORIENTATION_TOLERANCE, "orientations"),
                                             ("PixelSpacing", 2, _SPACING_TOLERANCE_MM, "pixel spacings")):
@@ -172,6 +167,23 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
                 raise VolumeError(f"{instance.path}: {keyword} {values.tolist()} differs from "
                                   f"{first_values.tolist()} of {first.path}: mixed {what} in one series")
     return positions, reference["ImageOrientationPatient"][1]
+
+
+def _check_slice_size(instance: Instance, shape: tuple[int, int], first: Instance) -> None:
+    """Refuse a slice without Rows/Columns, of another size than the first slice's, or not greyscale."""
+    dataset = instance.dataset
+    for keyword in ("Rows", "Columns"):
+        size = dataset.get(keyword)
+        if size is None:
+            raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every slice")
+        if int(size) <= 0:
+            raise VolumeError(f"{instance.path}: {keyword} is {size}; expected at least 1")
+    if int(dataset.get("SamplesPerPixel", 1)) != 1:
+        raise VolumeError(f"{instance.path}: SamplesPerPixel is {dataset.SamplesPerPixel}; expected 1 "
+                          f"(greyscale CT/MR)")
+    if (dataset.Rows, dataset.Columns) != shape:
+        raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
+                          f"{shape[0]}x{shape[1]} of {first.path}: mixed sizes in one series")
 
 
 def _checked_reference(instance: Instance, keyword: str, count: int) -> np.ndarray:
