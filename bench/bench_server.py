@@ -70,7 +70,7 @@ class RssSampler(threading.Thread):
 
 def bench_overhead(url: str, study: Path, runs: int) -> dict:
     from medserve import pipeline
-    from medserve.bundle import BundlePredictor
+    from medserve.bundle.predictor import BundlePredictor
 
     predictor = BundlePredictor.from_dir(BUNDLE)
     out = Path(tempfile.mkdtemp())

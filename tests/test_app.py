@@ -18,7 +18,7 @@ import pydicom
 import pytest
 import torch
 
-from medserve.bundle import BundlePredictor
+from medserve.bundle.predictor import BundlePredictor
 from medserve.demo.phantom import dice
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series

@@ -10,7 +10,7 @@ import torch
 from monai.data import MetaTensor
 from monai.transforms import AsDiscreted
 
-from medserve.bundle import BundlePredictor
+from medserve.bundle.predictor import BundlePredictor
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from tests.conftest import make_threshold_bundle
 from tests.test_bundle import phantom_volume

@@ -13,7 +13,7 @@ import torch
 
 from monai.bundle import ConfigParser
 
-from medserve.bundle import BundlePredictor
+from medserve.bundle.predictor import BundlePredictor
 from medserve.demo.phantom import dice, make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory

@@ -16,7 +16,7 @@ import pytest
 from monai.deploy.core import Fragment
 from monai.deploy.core.domain.image import Image
 
-from medserve.bundle import BundlePredictor
+from medserve.bundle.predictor import BundlePredictor
 from medserve.bundle.predictor import as_volume
 from medserve.demo.phantom import make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
@@ -312,7 +312,7 @@ from monai.deploy.operators.dicom_series_selector_operator import DICOMSeriesSel
 from monai.deploy.operators.dicom_series_to_volume_operator import DICOMSeriesToVolumeOperator
 from pydicom.sr.codedict import codes
 
-from medserve.bundle import BundlePredictor
+from medserve.bundle.predictor import BundlePredictor
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, SegWriterOperator,
                        SeriesSelectorOperator, SeriesToVolumeOperator)
 from operators.failures import run_record

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from medserve.bundle import BundlePredictor
+from medserve.bundle.predictor import BundlePredictor
 from medserve.demo.train import DEMO_BUNDLE, EVAL_SEEDS, evaluate
 
 

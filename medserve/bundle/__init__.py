@@ -1,6 +1,1 @@
-"""MONAI bundles: layout checks (`layout`) and the hot, reusable predictor (`predictor`)."""
-
-from medserve.bundle.layout import BundleLayout
-from medserve.bundle.predictor import BundlePredictor
-
-__all__ = ["BundleLayout", "BundlePredictor"]
+"""MONAI bundles: layout checks (`layout`, no torch needed) and the hot, reusable predictor (`predictor`)."""

@@ -13,7 +13,8 @@ from typing import Any
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
-from medserve.errors import PackagingError
+from medserve.bundle.layout import BundleLayout
+from medserve.errors import BundleError, PackagingError
 from medserve.packaging import layout
 from medserve.packaging.config import AppConfig
 
@@ -65,6 +66,16 @@ def _is_bundle(path: Path) -> bool:
     return (path / "configs").is_dir() and ((path / "models").is_dir() or (path / "configs" / "metadata.json").is_file())
 
 
+def _checked_bundle(path: Path) -> Path:
+    """A bundle as the app will load it: a MAP built from one without weights or an inference config would only
+    fail when it runs."""
+    try:
+        BundleLayout.find(path)
+    except BundleError as error:
+        raise PackagingError(f"models path {path}: not a usable MONAI bundle ({error})") from error
+    return path
+
+
 def scan_models(path: Path) -> dict[str, Path]:
     """Model name -> source path, as holoscan_cli/packager/models.py scans `-m`.
 
@@ -77,13 +88,13 @@ def scan_models(path: Path) -> dict[str, Path]:
     if path.is_file():
         return {path.stem: path}
     if _is_bundle(path):
-        return {path.resolve().name: path}
+        return {path.resolve().name: _checked_bundle(path)}
     models: dict[str, Path] = {}
     for entry in sorted(os.listdir(path)):
         if (path / entry).is_file():
             models[path.resolve().stem] = path
         elif (path / entry).is_dir():
-            models[entry] = path / entry
+            models[entry] = _checked_bundle(path / entry) if _is_bundle(path / entry) else path / entry
     if not models:
         raise PackagingError(f"models path {path} is an empty directory")
     return models

@@ -228,7 +228,7 @@ class ModelEntry:
 
 
 def _default_loader(path: Path, device: str | None) -> Any:
-    from medserve.bundle import BundlePredictor
+    from medserve.bundle.predictor import BundlePredictor
 
     return BundlePredictor.from_dir(path, device=device)
 

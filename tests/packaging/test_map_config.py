@@ -50,6 +50,7 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
     (bundle / "configs").mkdir(parents=True)
     (bundle / "models").mkdir()
     (bundle / "configs" / "metadata.json").write_text("{}")
+    (bundle / "configs" / "inference.json").write_text("{}")
     (bundle / "models" / "model.pt").write_bytes(b"weights")
     return bundle
 
@@ -118,6 +119,16 @@ def test_bundle_dir_is_one_model(tmp_path: Path) -> None:
     # a folder of models: one per subfolder, as the official scan
     assert scan_models(tmp_path) == {"demo": bundle}
     assert scan_models(bundle / "models" / "model.pt") == {"model": bundle / "models" / "model.pt"}
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_bundle_the_app_could_not_load_is_not_packaged(tmp_path: Path, inside: bool) -> None:
+    bundle = make_bundle(tmp_path / "models")
+    (bundle / "models" / "model.pt").unlink()
+    with pytest.raises(PackagingError, match=r"models path .*demo: not a usable MONAI bundle \(bundle .*demo: no "
+                                             r"weights; expected models/model.pt or models/model.ts\)"):
+        prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1",
+                               models=tmp_path / "models" if inside else bundle))
 
 
 def official_manifests(app_py: Path, config: Path, models_dir: Path | None,

@@ -59,6 +59,7 @@ def toy(tmp_path_factory: pytest.TempPathFactory, wheel_dir_for) -> dict[str, Pa
     (bundle / "configs").mkdir(parents=True)
     (bundle / "models").mkdir()
     (bundle / "configs" / "metadata.json").write_text("{}")
+    (bundle / "configs" / "inference.json").write_text("{}")
     (bundle / "models" / "model.pt").write_bytes(b"not really weights")
     (root / "docs").mkdir()
     (root / "docs" / "README.md").write_text("toy docs\n")

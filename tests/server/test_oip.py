@@ -26,7 +26,7 @@ def test_tritonclient_json_and_binary(make_server) -> None:
     rng = np.random.default_rng(0)
     batch = rng.random((1, 1, 32, 32, 16), dtype=np.float32)
     # What the server must return: the same bundle's network + inferer, run here in-process.
-    from medserve.bundle import BundlePredictor
+    from medserve.bundle.predictor import BundlePredictor
 
     expected = BundlePredictor.from_dir(bundle_snapshot(), device="cpu").infer_tensor(torch.from_numpy(batch)).numpy()
     for binary in (False, True):
