@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import ssl
+import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -129,6 +131,13 @@ def test_a_bundle_the_app_could_not_load_is_not_packaged(tmp_path: Path, inside:
                                              r"weights; expected models/model.pt or models/model.ts\)"):
         prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1",
                                models=tmp_path / "models" if inside else bundle))
+
+
+def test_packaging_checks_bundles_without_importing_torch() -> None:
+    code = ("import sys, medserve.packaging.build, medserve.bundle; print('torch' in sys.modules, "
+            "medserve.bundle.BundlePredictor.__module__, 'torch' in sys.modules)")
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert shown == ["False", "medserve.bundle.predictor", "True"]
 
 
 def official_manifests(app_py: Path, config: Path, models_dir: Path | None,
