@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 
@@ -358,6 +359,46 @@ def test_out_of_memory_says_so_and_the_predictor_stays_usable(threshold_bundle, 
     assert raised.value.__cause__ is error
     predictor.network = network  # the failed call released the predictor's lock
     assert dice(predictor.predict(volume), volume.array > THRESHOLD_HU) > 0.93
+
+
+class FailingOnce:
+    """The predictor's postprocessing, raising `error` on its first call; records the data of every call."""
+
+    def __init__(self, postprocessing, error):
+        self.postprocessing = postprocessing
+        self.error = error
+        self.calls = []
+
+    def __call__(self, data):
+        self.calls.append(data)
+        if len(self.calls) == 1:
+            raise self.error
+        return self.postprocessing(data)
+
+
+def test_postprocessing_out_of_gpu_memory_runs_again_on_the_cpu(threshold_bundle, caplog):
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    volume, _ = phantom_volume()
+    expected = predictor.predict(volume)
+    predictor.postprocessing = FailingOnce(predictor.postprocessing,
+                                           torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 30 GiB"))
+    with caplog.at_level(logging.WARNING, logger="medserve.bundle"):
+        np.testing.assert_array_equal(predictor.predict(volume), expected)
+    first, retry = predictor.postprocessing.calls
+    assert retry is not first and retry.keys() == first.keys()
+    assert all(value.device.type == "cpu" for value in retry.values() if isinstance(value, torch.Tensor))
+    assert "postprocessing ran out of GPU memory; running it on the CPU" in caplog.text
+
+
+@pytest.mark.parametrize("error,raised", [(MemoryError(), InferenceOutOfMemory),
+                                          (RuntimeError("a transform's own bug"), InferenceError)])
+def test_other_postprocessing_failures_are_not_run_again(threshold_bundle, error, raised):
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    predictor.postprocessing = FailingOnce(predictor.postprocessing, error)
+    with pytest.raises(raised, match=r"^bundle threshold: postprocessing failed on the input volume") as caught:
+        predictor.predict(phantom_volume()[0])
+    assert caught.value.__cause__ is error
+    assert len(predictor.postprocessing.calls) == 1
 
 
 def test_keyboard_interrupt_is_not_turned_into_a_bundle_error(threshold_bundle):

@@ -5,8 +5,9 @@ before parsing: file loading and saving transforms are removed (the volume arriv
 in memory) and `bundle_root`/`device` are set. The volume is fed as a MetaTensor whose affine is its real RAS
 affine, exactly what `LoadImaged` would have produced from a file, so the bundle's orientation and spacing
 transforms, and `Invertd` in its postprocessing, bring the prediction back into the source geometry. The
-postprocessing runs as configured; only its torch.argmax is answered by a faster torch kernel that gives the same
-indices (`medserve.bundle.argmax`).
+postprocessing runs as configured, on the network's device (the CPU when a GPU runs out of memory there); only its
+torch.argmax on CPU tensors is answered by a faster torch kernel that gives the same indices
+(`medserve.bundle.argmax`).
 
 What a user can get wrong is a BundleError: a device this machine lacks (checked when the predictor is created),
 and any failure of the bundle's own preprocessing, network/inferer or postprocessing on a volume (named with
@@ -252,11 +253,29 @@ class BundlePredictor:
                 data = self.preprocessing({self.image_key: self._as_loaded_image(volume)})
                 image = data[self.image_key]
             with self._stage(self._network_stage, on):
-                data[self.output_key] = self._network_output(image.unsqueeze(0))[0].to("cpu")
+                data[self.output_key] = self._network_output(image.unsqueeze(0))[0]
             if self.postprocessing is not None:
                 with self._stage("postprocessing", on), MaxIndicesArgmax():
-                    data = self.postprocessing(data)
+                    data = self._postprocess(data)
         return self._label_map(self._prediction(data), shape)
+
+    def _postprocess(self, data: dict[str, Any]) -> Any:
+        """The bundle's postprocessing on the device its network ran on, as the bundle's own evaluator runs it.
+
+        On a GPU, inverting the preprocessing resamples full-resolution class scores there (on CPU that took most
+        of a 512x512x300 study's time). When that runs out of GPU memory (scores of many classes can take tens of
+        GB), it runs again on the CPU.
+        """
+        try:
+            return self.postprocessing(data)
+        except Exception as error:  # torch and MONAI components raise any type
+            if _out_of_memory(error) != "gpu":
+                raise
+        torch.cuda.empty_cache()
+        log.warning("postprocessing ran out of GPU memory; running it on the CPU",
+                    extra={"bundle": self.name, "device": str(self.device)})
+        return self.postprocessing({key: value.cpu() if isinstance(value, torch.Tensor) else value
+                                    for key, value in data.items()})
 
     @contextlib.contextmanager
     def _stage(self, stage: str, on: str) -> Iterator[None]:
