@@ -7,7 +7,7 @@ STAMP := $(VENV)/.medserve-installed
 # Holoscan warns and may fail on deep graphs below a 32 MB stack.
 RUN := ulimit -s 32768 2>/dev/null || true;
 
-.PHONY: setup system-deps demo test bench bench-server bench-map serve train-demo clean
+.PHONY: setup system-deps demo test bench bench-server bench-map bench-gpu serve train-demo clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ bench-server: setup
 
 bench-map: setup
 	$(RUN) $(BIN)/python bench/bench_map.py
+
+# The shared core on CUDA against the CPU (CPU cases only where there is no GPU).
+bench-gpu: setup
+	$(RUN) $(BIN)/python bench/bench_gpu.py
 
 serve: setup
 	$(RUN) $(BIN)/medserve serve
