@@ -362,7 +362,8 @@ def test_out_of_memory_says_so_and_the_predictor_stays_usable(threshold_bundle, 
 
 
 class FailingOnce:
-    """The predictor's postprocessing, raising `error` on its first call; records the data of every call."""
+    """The predictor's postprocessing, raising `error` at the end of its first call (after running it whole, as
+    memory can run out in its last step); records the data of every call."""
 
     def __init__(self, postprocessing, error):
         self.postprocessing = postprocessing
@@ -371,9 +372,10 @@ class FailingOnce:
 
     def __call__(self, data):
         self.calls.append(data)
+        result = self.postprocessing(data)
         if len(self.calls) == 1:
             raise self.error
-        return self.postprocessing(data)
+        return result
 
 
 def test_postprocessing_out_of_gpu_memory_runs_again_on_the_cpu(threshold_bundle, caplog):
