@@ -8,8 +8,11 @@ operators and the server call. Cases:
   GPU memory, CPU/CUDA agreement);
 - zoo small: every bundle config under the model zoo, with random weights (seed 0), on a small phantom on each
   device (agreement);
-- zoo full size: the same bundles on the 512x512x300 series, CUDA only (cold and hot predict, peak GPU memory).
-Without CUDA the CPU cases run and the CUDA ones say so. Results are written after each case.
+- zoo full size: the same bundles on the 512x512x300 series, CUDA only (cold and hot predict, peak GPU memory);
+- app: `apps/bundle_seg/app.py` itself (Holoscan) as a user runs it, on its default device (CUDA when present) and
+  with `--device cpu`, on the demo study (Dice, CPU/default agreement) and on the 512x512x300 series (wall time).
+Without CUDA the CPU cases run and the CUDA ones say so. Results are written after each case; a case that fails
+is recorded with its error and the others still run.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -182,6 +186,30 @@ class Check:
         return results
 
 
+    def app(self) -> dict:
+        study = self.work / "app_study"
+        _, phantom = write_demo_study(study)
+        series = bench_pipeline.ensure_series(log=lambda message: None)["uncompressed"]
+        results, label_maps = {}, {}
+        for name, folder, device in (("demo_default_device", study, None), ("demo_cpu", study, "cpu"),
+                                     ("series_default_device", series, None)):
+            out = self.work / f"app_{name}"
+            command = [sys.executable, str(REPO / "apps" / "bundle_seg" / "app.py"), "-i", str(folder), "-o", str(out),
+                       "-m", str(DEMO_BUNDLE)] + (["--device", device] if device else [])
+            started = time.perf_counter()
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=900)
+            entry = {"rc": completed.returncode, "wall_s": round(time.perf_counter() - started, 2),
+                     "summary": completed.stdout.strip().splitlines()[-1:],
+                     "stderr_tail": completed.stderr.strip().splitlines()[-3:] if completed.returncode else []}
+            if completed.returncode == 0 and folder == study:
+                label_maps[name] = nifti_labels(out / "labels.nii.gz")
+                entry["dice_vs_truth"] = round(dice(label_maps[name], phantom.organ), 4)
+            results[name] = entry
+        if len(label_maps) == 2:
+            results["default_vs_cpu"] = agreement(label_maps["demo_cpu"], label_maps["demo_default_device"])
+        return results
+
+
 def run_case(results: dict, name: str, case: Callable[[], dict], output: Path) -> None:
     """Run one case; a failure is recorded (with its traceback) and the other cases still run."""
     started = time.perf_counter()
@@ -206,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         check = Check(Path(work), args.model_zoo)
         for name, case in (("environment", check.environment), ("demo", check.demo),
                            ("bench_series_demo_bundle", check.bench_series), ("zoo_small", check.zoo_small),
-                           ("zoo_full_size_cuda", check.zoo_full_size)):
+                           ("zoo_full_size_cuda", check.zoo_full_size), ("app", check.app)):
             run_case(results, name, case, args.output)
     failed = [name for name, result in results.items() if "error" in result]
     print(f"wrote {args.output}" + (f"; failed: {', '.join(failed)}" if failed else ""))
