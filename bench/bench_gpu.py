@@ -18,6 +18,7 @@ is recorded with its error and the others still run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -38,13 +39,14 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bench_pipeline  # noqa: E402
-from medserve.bundle.predictor import BundlePredictor, network_from_config  # noqa: E402
+from medserve.bundle.predictor import BundlePredictor, write_random_weights  # noqa: E402
 from medserve.demo.phantom import dice, make_phantom  # noqa: E402
 from medserve.demo.study import write_demo_study  # noqa: E402
 from medserve.dicom.index import index_folder  # noqa: E402
 from medserve.dicom.select import select_series  # noqa: E402
 from medserve.dicom.volume import LoadedSeries, load_series, ras_affine  # noqa: E402
 from medserve.pipeline import run_study  # noqa: E402
+from medserve.writers.nifti import read_label_map  # noqa: E402
 
 DEMO_BUNDLE = REPO / "bundles" / "demo_organ_seg"
 RESULTS = REPO / "bench" / "results" / "gpu.json"
@@ -59,10 +61,6 @@ def synchronize() -> None:
 
 def peak_gpu_mb() -> int | None:
     return round(torch.cuda.max_memory_allocated() / 2**20) if CUDA else None
-
-
-def nifti_labels(path: Path) -> np.ndarray:
-    return np.asarray(nib.load(path).dataobj).transpose(2, 1, 0)
 
 
 def agreement(cpu: np.ndarray, cuda: np.ndarray) -> dict:
@@ -85,9 +83,20 @@ class Check:
                 "python": sys.version.split()[0], "highdicom": hd.__version__,
                 "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32, "model_zoo": self.zoo_names}
 
-    def demo(self) -> dict:
+    @functools.cached_property
+    def demo_study(self) -> tuple[Path, np.ndarray]:
+        """The demo study's folder and the phantom's organ mask (its truth), written once for all cases."""
         study = self.work / "demo_study"
         _, phantom = write_demo_study(study)
+        return study, phantom.organ
+
+    @functools.cached_property
+    def series(self) -> Path:
+        """The 512x512x300 uncompressed series of `make bench` (generated once, cached under bench/.cache)."""
+        return bench_pipeline.ensure_series(log=lambda message: None)["uncompressed"]
+
+    def demo(self) -> dict:
+        study, truth = self.demo_study
         source = first_series(study)
         results, label_maps = {}, {}
         for device in DEVICES:
@@ -100,11 +109,11 @@ class Check:
             predictor.predict(source.volume)
             synchronize()
             hot = time.perf_counter() - started
-            labels = label_maps[device] = nifti_labels(result.nifti_path)
+            labels = label_maps[device] = read_label_map(result.nifti_path)
             back = hd.seg.segread(result.seg_path).get_volume(combine_segments=True).match_geometry(source.volume)
             results[device] = {
                 "run_study_s": round(wall, 3), "hot_predict_s": round(hot, 3), "timings": result.timings,
-                "segments": result.segments, "dice_vs_truth": round(dice(labels, phantom.organ), 4),
+                "segments": result.segments, "dice_vs_truth": round(dice(labels, truth), 4),
                 "seg_read_back_equals_labels": bool(np.array_equal(back.array, labels)),
                 "nifti_affine_equals_source": bool(np.allclose(nib.load(result.nifti_path).affine,
                                                                ras_affine(source.volume), atol=1e-4)),
@@ -114,7 +123,6 @@ class Check:
         return results
 
     def bench_series(self) -> dict:
-        folder = bench_pipeline.ensure_series(log=lambda message: None)["uncompressed"]
         results, label_maps = {}, {}
         for device in DEVICES:
             predictor = BundlePredictor.from_dir(DEMO_BUNDLE, device=device)
@@ -123,9 +131,9 @@ class Check:
             runs = []
             for run in range(2 if device == "cuda" else 1):  # cold, then hot on the GPU
                 started = time.perf_counter()
-                result = run_study(folder, predictor, self.work / f"bench_{device}_{run}")
+                result = run_study(self.series, predictor, self.work / f"bench_{device}_{run}")
                 runs.append({"wall_s": round(time.perf_counter() - started, 2), "timings": result.timings})
-            label_maps[device] = nifti_labels(result.nifti_path)
+            label_maps[device] = read_label_map(result.nifti_path)
             results[device] = {"runs": runs, "segments": result.segments,
                                "peak_gpu_mb": peak_gpu_mb() if device == "cuda" else None}
         if CUDA:
@@ -137,10 +145,7 @@ class Check:
         target = self.work / "zoo" / name
         if not target.exists():
             shutil.copytree(self.model_zoo / name, target)
-            torch.manual_seed(0)
-            config = next(p for p in (target / "configs").iterdir() if p.stem == "inference")
-            (target / "models").mkdir(exist_ok=True)
-            torch.save(network_from_config(config).state_dict(), target / "models" / "model.pt")
+            write_random_weights(target)
         return target
 
     def zoo_small(self) -> dict:
@@ -167,7 +172,7 @@ class Check:
     def zoo_full_size(self) -> dict:
         if not CUDA:
             return {"skipped": "no CUDA device"}
-        source = first_series(bench_pipeline.ensure_series(log=lambda message: None)["uncompressed"])
+        source = first_series(self.series)
         results = {}
         for name in self.zoo_names:
             predictor = BundlePredictor.from_dir(self.zoo_bundle(name), device="cuda")
@@ -185,14 +190,11 @@ class Check:
             torch.cuda.empty_cache()
         return results
 
-
     def app(self) -> dict:
-        study = self.work / "app_study"
-        _, phantom = write_demo_study(study)
-        series = bench_pipeline.ensure_series(log=lambda message: None)["uncompressed"]
+        study, truth = self.demo_study
         results, label_maps = {}, {}
         for name, folder, device in (("demo_default_device", study, None), ("demo_cpu", study, "cpu"),
-                                     ("series_default_device", series, None)):
+                                     ("series_default_device", self.series, None)):
             out = self.work / f"app_{name}"
             command = [sys.executable, str(REPO / "apps" / "bundle_seg" / "app.py"), "-i", str(folder), "-o", str(out),
                        "-m", str(DEMO_BUNDLE)] + (["--device", device] if device else [])
@@ -202,8 +204,8 @@ class Check:
                      "summary": completed.stdout.strip().splitlines()[-1:],
                      "stderr_tail": completed.stderr.strip().splitlines()[-3:] if completed.returncode else []}
             if completed.returncode == 0 and folder == study:
-                label_maps[name] = nifti_labels(out / "labels.nii.gz")
-                entry["dice_vs_truth"] = round(dice(label_maps[name], phantom.organ), 4)
+                label_maps[name] = read_label_map(out / "labels.nii.gz")
+                entry["dice_vs_truth"] = round(dice(label_maps[name], truth), 4)
             results[name] = entry
         if len(label_maps) == 2:
             results["default_vs_cpu"] = agreement(label_maps["demo_cpu"], label_maps["demo_default_device"])

@@ -40,8 +40,7 @@ def demo_study(tmp_path_factory) -> tuple[Path, WrittenSeries, object]:
 @pytest.fixture(scope="session")
 def zoo_bundle(tmp_path_factory):
     """Copy a model-zoo bundle and give it random weights from its own network_def."""
-    from medserve.bundle.layout import INFERENCE_CONFIG_NAMES
-    from medserve.bundle.predictor import network_from_config
+    from medserve.bundle.predictor import write_random_weights
 
     made: dict[str, Path] = {}
 
@@ -49,12 +48,7 @@ def zoo_bundle(tmp_path_factory):
         if name not in made:
             target = tmp_path_factory.mktemp("zoo") / name
             shutil.copytree(MODEL_ZOO / name, target)
-            torch.manual_seed(0)
-            config = next(target / "configs" / config_name for config_name in INFERENCE_CONFIG_NAMES
-                          if (target / "configs" / config_name).is_file())  # the zoo publishes JSON and YAML
-            network = network_from_config(config)
-            (target / "models").mkdir(exist_ok=True)
-            torch.save(network.state_dict(), target / "models" / "model.pt")
+            write_random_weights(target)
             made[name] = target
         return made[name]
 

@@ -32,7 +32,7 @@ from monai.bundle import ConfigParser
 from monai.data import MetaTensor
 
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
-from medserve.bundle.layout import BundleLayout
+from medserve.bundle.layout import INFERENCE_CONFIG_NAMES, BundleLayout
 from medserve.dicom.volume import lps_affine, ras_affine
 from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
 from medserve.writers.labels import MAX_LABEL
@@ -468,6 +468,18 @@ def network_from_config(config_path: Path) -> torch.nn.Module:
     parser = ConfigParser()
     parser.read_config(str(config_path))
     return build_network(config_path, parser)
+
+
+def write_random_weights(bundle: Path, seed: int = 0) -> Path:
+    """Give a bundle published without weights (a model-zoo config) `models/model.pt`: its own network_def's
+    untrained weights, drawn with `seed`, e.g. to run the config in tests and benchmarks. Returns the file."""
+    configs = bundle / "configs"
+    config = next(configs / name for name in INFERENCE_CONFIG_NAMES if (configs / name).is_file())
+    torch.manual_seed(seed)
+    weights = bundle / "models" / "model.pt"
+    weights.parent.mkdir(exist_ok=True)
+    torch.save(network_from_config(config).state_dict(), weights)
+    return weights
 
 
 def build_network(config_path: Path, parser: ConfigParser) -> torch.nn.Module:

@@ -11,11 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nibabel as nib
-import numpy as np
-
 from medserve.demo.phantom import dice
 from medserve.demo.study import write_demo_study
+from medserve.writers.nifti import read_label_map
 
 REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "apps" / "bundle_seg" / "app.py"
@@ -35,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     completed = subprocess.run(command)
     if completed.returncode != 0:
         return completed.returncode
-    labels = np.asarray(nib.load(args.out / "labels.nii.gz").dataobj).transpose(2, 1, 0)
+    labels = read_label_map(args.out / "labels.nii.gz")
     print(f"Dice against the phantom's truth: {dice(labels, phantom.organ):.3f}")
     return 0
 

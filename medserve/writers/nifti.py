@@ -30,3 +30,8 @@ def write_nifti(label_map: Any, volume: hd.Volume, path: Path) -> Path:
     with atomic_output(path) as partial:
         nib.save(image, partial)
     return path
+
+
+def read_label_map(path: Path) -> np.ndarray:
+    """A label map written by `write_nifti`, back in (slice, row, column) order."""
+    return np.asarray(nib.load(path).dataobj).transpose(2, 1, 0)
