@@ -107,7 +107,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
-        ready = store.scanned.is_set()
+        ready = store.ready.is_set()
         models = {e.name: e.state for e in store.entries()}
         return JSONResponse({"ready": ready, "models": models}, 200 if ready else 503)
 

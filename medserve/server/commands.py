@@ -29,7 +29,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-models", type=int, help="keep at most this many models loaded (LRU eviction)")
     serve.add_argument("--max-memory-mb", type=float, help="keep loaded models under this many MB (LRU eviction)")
     serve.add_argument("--preload", action="append", default=[], metavar="NAME",
-                       help="load this model at start (repeatable; 'all' for every bundle)")
+                       help="load this model at start; /readyz waits for it (repeatable; 'all' for every bundle)")
     serve.add_argument("--concurrency", type=int, default=1, help="requests running at once per model")
     serve.add_argument("--queue-size", type=int, default=16, help="requests waiting per model before 429")
     serve.add_argument("--job-workers", type=int, default=1, help="threads running async jobs")

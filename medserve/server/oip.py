@@ -66,7 +66,7 @@ async def live() -> dict[str, bool]:
 
 @router.get("/health/ready")
 async def ready(request: Request) -> JSONResponse:
-    ok = request.app.state.store.scanned.is_set()
+    ok = request.app.state.store.ready.is_set()
     return JSONResponse({"ready": ok}, 200 if ok else 503)
 
 

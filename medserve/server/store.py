@@ -244,7 +244,10 @@ class ModelStore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medserve-load")
-        self.scanned = threading.Event()  # set after the first scan has settled (readiness)
+        self.scanned = threading.Event()  # set after the first scan has settled
+        # Readiness: the first scan has settled and every --preload model found then is loaded or failed, so a
+        # probe does not route requests to a server that would make them wait for a load.
+        self.ready = threading.Event()
         self.on_change = on_change  # called after loads/unloads (metrics)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
@@ -271,7 +274,16 @@ class ModelStore:
                 or time.monotonic() - first > self.config.stable_seconds * 5
             ):
                 self.scanned.set()
+            if self.scanned.is_set() and not self.ready.is_set() and not self._preloads_pending():
+                self.ready.set()
             self._stop.wait(self.config.poll_interval)
+
+    def _preloads_pending(self) -> list[str]:
+        """Models asked for by --preload that settled and are still on their way to loaded (or failed). One still
+        being copied when the first scan gave up waiting (see `_watch`) does not hold readiness back."""
+        preload = self.config.preload
+        return [e.name for e in self.entries()
+                if ("all" in preload or e.name in preload) and e.state in ("checking", "loading")]
 
     # ---- scanning --------------------------------------------------------------------------------------
     def _folders(self) -> dict[str, Path]:

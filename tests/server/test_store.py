@@ -8,12 +8,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.server.conftest import add_bundle, bundle_snapshot, multipart_files, small_study, with_thr
+from tests.server.conftest import (ServerThread, add_bundle, bundle_snapshot, multipart_files, small_study, wait_http,
+                                   with_thr)
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +190,43 @@ def test_unloaded_model_with_changing_files_waits_for_them_to_settle(make_server
     weights.write_bytes(full)
     server.store.wait_until("thr", ("loaded", "available"), 30)
     assert httpx.post(url + "/v1/models/thr/infer", files=files, timeout=120).status_code == 200
+
+
+@pytest.mark.parametrize("preload", [["demo", "broken"], ["all"], []])
+def test_readiness_waits_for_preloaded_models(base_config, monkeypatch: pytest.MonkeyPatch,
+                                              preload: list[str]) -> None:
+    """/readyz and /v2/health/ready answer 503 while a --preload model is loading (a probe must not send
+    requests that would wait for it), and 200 once each is loaded or failed. Without --preload, models that
+    load on their own do not hold readiness back."""
+    from medserve.server import store as store_module
+
+    release = threading.Event()
+    real_loader = store_module._default_loader
+
+    def held_loader(path: Path, device: str | None) -> object:
+        assert release.wait(60), "the test never released the load"
+        return real_loader(path, device)
+
+    monkeypatch.setattr(store_module, "_default_loader", held_loader)
+    add_bundle(base_config.store, "demo")
+    (add_bundle(base_config.store, "broken") / "models" / "model.pt").write_bytes(b"not a torch checkpoint")
+    server = ServerThread(replace(base_config, preload=preload))
+    server.thread.start()
+    try:
+        server.store.wait_until("demo", ("loading",), 30)
+        time.sleep(3 * base_config.poll_interval)  # the watcher has had its chances to declare readiness
+        readyz, v2 = httpx.get(server.url + "/readyz"), httpx.get(server.url + "/v2/health/ready")
+        if preload:
+            assert readyz.status_code == 503 and v2.status_code == 503, (readyz.text, v2.text)
+            assert readyz.json() == {"ready": False, "models": {"broken": "loading", "demo": "loading"}}
+        else:
+            assert readyz.status_code == 200 and v2.status_code == 200, (readyz.text, v2.text)
+        release.set()
+        wait_http(server.url, 60)
+        wait_http(server.url, 5, path="/v2/health/ready")
+        server.store.wait_until("broken", ("failed",), 30)
+        assert httpx.get(server.url + "/readyz").json() == {"ready": True,
+                                                            "models": {"broken": "failed", "demo": "loaded"}}
+    finally:
+        release.set()
+        server.__exit__(None, None, None)
