@@ -201,6 +201,7 @@ class ModelEntry:
     memory: int = 0
     load_seconds: float | None = None
     reloading: bool = False
+    unloads: int = 0  # admin unloads so far: a load that an unload overtook does not keep its predictor
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     map: MapModel | None = None  # set once a MAP descriptor has been parsed
 
@@ -414,7 +415,7 @@ class ModelStore:
                 raise self._settling(entry)
             if entry.predictor is None:
                 entry.state = "loading"
-            start = time.monotonic()
+            unloads, start = entry.unloads, time.monotonic()
             try:
                 predictor = _default_loader(entry.path, self.config.device)
             except Exception as error:
@@ -428,6 +429,11 @@ class ModelStore:
             with self._lock:
                 if self._entries.get(name) is not entry:  # removed while loading
                     raise ApiError(404, "unknown_model", f"model {name!r} was removed from the store")
+                if entry.unloads != unloads:
+                    # Unloaded while loading: the caller that needed it gets it for this once; none is kept.
+                    entry.reloading = False
+                    log.info("%s was unloaded while it loaded; not keeping it", name)
+                    return predictor
                 entry.predictor, entry.loaded_fp, entry.reloading = predictor, current, False
                 entry.state, entry.error = "loaded", None
                 entry.load_seconds = time.monotonic() - start
@@ -445,6 +451,7 @@ class ModelStore:
         entry = self.entry(name)
         with self._lock:
             entry.predictor = None
+            entry.unloads += 1
             if entry.state in ("loaded", "loading"):
                 entry.state = "unloaded"
         self._changed()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -192,12 +193,9 @@ def test_unloaded_model_with_changing_files_waits_for_them_to_settle(make_server
     assert httpx.post(url + "/v1/models/thr/infer", files=files, timeout=120).status_code == 200
 
 
-@pytest.mark.parametrize("preload", [["demo", "broken"], ["all"], []])
-def test_readiness_waits_for_preloaded_models(base_config, monkeypatch: pytest.MonkeyPatch,
-                                              preload: list[str]) -> None:
-    """/readyz and /v2/health/ready answer 503 while a --preload model is loading (a probe must not send
-    requests that would wait for it), and 200 once each is loaded or failed. Without --preload, models that
-    load on their own do not hold readiness back."""
+@pytest.fixture
+def held_loads(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Bundle loads in the server (the real loader) wait until the returned event is set."""
     from medserve.server import store as store_module
 
     release = threading.Event()
@@ -208,6 +206,16 @@ def test_readiness_waits_for_preloaded_models(base_config, monkeypatch: pytest.M
         return real_loader(path, device)
 
     monkeypatch.setattr(store_module, "_default_loader", held_loader)
+    yield release
+    release.set()
+
+
+@pytest.mark.parametrize("preload", [["demo", "broken"], ["all"], []])
+def test_readiness_waits_for_preloaded_models(base_config, held_loads: threading.Event, preload: list[str]) -> None:
+    """/readyz and /v2/health/ready answer 503 while a --preload model is loading (a probe must not send
+    requests that would wait for it), and 200 once each is loaded or failed. Without --preload, models that
+    load on their own do not hold readiness back."""
+    release = held_loads
     add_bundle(base_config.store, "demo")
     (add_bundle(base_config.store, "broken") / "models" / "model.pt").write_bytes(b"not a torch checkpoint")
     server = ServerThread(replace(base_config, preload=preload))
@@ -230,3 +238,26 @@ def test_readiness_waits_for_preloaded_models(base_config, monkeypatch: pytest.M
     finally:
         release.set()
         server.__exit__(None, None, None)
+
+
+def test_unload_during_a_load_wins(make_server, held_loads: threading.Event, study: Path) -> None:
+    """An admin unload of a model that is still loading leaves it unloaded when the load finishes; the next
+    request loads it again."""
+    server = make_server()
+    add_bundle(server.config.store, "a")
+    server.store.wait_until("a", ("loading",), 30)
+    load_lock = server.store.entry("a").load_lock
+    deadline = time.monotonic() + 30
+    while not load_lock.locked():  # the background load has started and waits in the loader
+        assert time.monotonic() < deadline, "the load never started"
+        time.sleep(0.05)
+    assert httpx.post(server.url + "/v1/models/a/unload").json()["state"] == "unloaded"
+    held_loads.set()
+    while load_lock.locked():
+        assert time.monotonic() < deadline, "the held load never finished"
+        time.sleep(0.05)
+    model = _models(server.url)["a"]
+    assert (model["state"], model["loaded"]) == ("unloaded", False), model
+    r = httpx.post(server.url + "/v1/models/a/infer", files=multipart_files(study), timeout=120)
+    assert r.status_code == 200, r.text
+    assert _models(server.url)["a"]["state"] == "loaded"
