@@ -153,7 +153,7 @@ class JobQueue:
     def _row(self, job_id: str) -> sqlite3.Row:
         rows = self._exec("SELECT * FROM jobs WHERE id=?", (job_id,))
         if not rows:
-            raise ApiError(404, "unknown_job", f"no job {job_id!r}")
+            raise _unknown_job(job_id)
         return rows[0]
 
     def get(self, job_id: str) -> dict[str, Any]:
@@ -199,18 +199,21 @@ class JobQueue:
         return self.job_dir(job_id) / "result" / outputs[fmt], fmt
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        row = self._row(job_id)
-        if row["state"] in FINAL:
-            raise ApiError(409, "job_finished", f"job {job_id} is already {row['state']}")
-        cancelled = self._exec("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', "
-                               "error='cancelled by request' WHERE id=? AND state='queued' RETURNING id",
-                               (time.time(), job_id))
-        if cancelled:
+        with self._lock:  # read and update in one step: a worker may claim or finish the job meanwhile
+            if self._closed:
+                raise ServerStopping()
+            row = self._db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if row is None:
+                raise _unknown_job(job_id)
+            was = row["state"]
+            if was in FINAL:
+                raise ApiError(409, "job_finished", f"job {job_id} is already {was}")
+            self._db.execute("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', "
+                             "error='cancelled by request' WHERE id=?", (time.time(), job_id))
+        if was == "queued":
             self._drop_input(job_id)  # no worker will see it
-        else:  # running: its worker notices at its next step and drops the input when it stops
-            self._exec("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', "
-                       "error='cancelled by request' WHERE id=? AND state='running'", (time.time(), job_id))
-        log.info("job %s cancelled (was %s)", job_id, row["state"])
+        # A running job's worker notices at its next step and drops the input when it stops.
+        log.info("job %s cancelled (was %s)", job_id, was)
         return self.get(job_id)
 
     # ---- workers ---------------------------------------------------------------------------------------
@@ -293,10 +296,7 @@ class JobQueue:
                 timings["stow_s"] = time.monotonic() - t
             self._progress(job_id, "finishing", 0.99)
             timings["total_s"] = time.monotonic() - started
-            updated = self._exec(
-                "UPDATE jobs SET state='succeeded', progress=1, stage='done', finished=?, timings=? "
-                "WHERE id=? AND state='running' RETURNING id", (time.time(), json.dumps(timings), job_id))
-            if not updated:
+            if not self._succeed(job_id, timings):
                 raise Cancelled()
             log.info("job %s succeeded in %.2f s", job_id, timings["total_s"])
         except ServerStopping:
@@ -352,8 +352,17 @@ class JobQueue:
             raise Cancelled()
         return outputs
 
+    def _succeed(self, job_id: str, timings: dict[str, float]) -> bool:
+        """Mark a running job succeeded; False when it is no longer running (cancelled meanwhile)."""
+        return bool(self._exec("UPDATE jobs SET state='succeeded', progress=1, stage='done', finished=?, timings=? "
+                               "WHERE id=? AND state='running' RETURNING id", (time.time(), json.dumps(timings), job_id)))
+
     def _fail(self, job_id: str, message: str, timings: dict[str, float]) -> None:
         log.warning("job %s failed: %s", job_id, message)
         self._exec("UPDATE jobs SET state='failed', stage='failed', finished=?, error=?, timings=? "
                    "WHERE id=? AND state='running'", (time.time(), message, json.dumps(timings), job_id))
         shutil.rmtree(self.job_dir(job_id) / "result.tmp", ignore_errors=True)
+
+
+def _unknown_job(job_id: str) -> ApiError:
+    return ApiError(404, "unknown_job", f"no job {job_id!r}")

@@ -253,3 +253,37 @@ def test_a_job_interrupted_by_a_stop_is_rerun_after_the_restart(make_server, stu
     second = make_server(port=free_port())  # the same store and data folder; the model is found anew
     done = _wait(second.url, job["id"], ("succeeded", "failed"))
     assert done["state"] == "succeeded" and done["attempts"] == 1, done  # a stop does not use up an attempt
+
+
+def test_a_cancel_racing_the_jobs_success_is_one_or_the_other(base_config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job succeeds (the worker's own update) right after the cancel request has looked the job up: the
+    answer is then 409 job_finished or a job that stays cancelled, never 200 with a succeeded job."""
+    from medserve.server.errors import ApiError
+    from medserve.server.inputs import InputSpec
+    from medserve.server.jobs import JobQueue
+    from medserve.server.store import ModelStore
+
+    queue = JobQueue(base_config, ModelStore(base_config))  # no workers: the test plays the worker
+    try:
+        queue.submit("job-1", "demo", InputSpec("dicom", base_config.data_dir / "in"), False, None)
+        assert queue._claim()["id"] == "job-1"
+        read_row = queue._row
+        succeeded: list[bool] = []
+
+        def row_then_success(job_id: str):  # noqa: ANN202
+            row = read_row(job_id)
+            if not succeeded:
+                succeeded.append(queue._succeed(job_id, {}))
+            return row
+
+        monkeypatch.setattr(queue, "_row", row_then_success)
+        try:
+            answer = queue.cancel("job-1")
+        except ApiError as error:
+            assert (error.status, error.code) == (409, "job_finished"), error
+            assert read_row("job-1")["state"] == "succeeded"
+        else:
+            assert answer["state"] == read_row("job-1")["state"] == "cancelled", answer
+            assert succeeded == [False]  # the worker saw the cancel and drops its result
+    finally:
+        queue.close()
