@@ -3,13 +3,16 @@ or a DICOMweb reference. Every input is streamed to a folder of its own; nothing
 
 from __future__ import annotations
 
+import errno
 import gzip
 import logging
+import lzma
 import os
 import re
 import shutil
 import stat
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -111,12 +114,33 @@ def extract_zip(archive: Path, dest: Path, max_bytes: int) -> int:
                                f"{error.strerror}") from error
             except (RuntimeError, NotImplementedError) as error:  # encrypted, unsupported compression method
                 raise ApiError(400, "bad_zip", f"zip member {info.filename!r} cannot be extracted: {error}") from error
-            except (zipfile.BadZipFile, EOFError, OSError) as error:  # CRC error, truncated archive
-                raise ApiError(400, "bad_zip", f"zip member {info.filename!r} is damaged: {error}") from error
+            except (zipfile.BadZipFile, EOFError, zlib.error, lzma.LZMAError) as error:  # CRC, truncated, corrupt
+                raise _damaged(info.filename, error) from error
+            except OSError as error:
+                raise _member_os_error(info.filename, error) from error
             count += 1
     if count == 0:
         raise ApiError(400, "empty_input", "the zip holds no files")
     return count
+
+
+def _damaged(name: str, error: Exception) -> ApiError:
+    return ApiError(400, "bad_zip", f"zip member {name!r} is damaged: {error}")
+
+
+def _member_os_error(name: str, error: OSError) -> ApiError:
+    """An OSError while a member is extracted: a corrupt bzip2 stream (no errno), a name the file system refuses
+    (the client's), or the server's own disk (full: 507; anything else: 500)."""
+    if error.errno is None:
+        return _damaged(name, error)
+    if error.errno == errno.ENAMETOOLONG:
+        return ApiError(400, "bad_zip", f"zip member {name!r} has a name too long for the file system (each part "
+                        "of the path may have at most 255 bytes)")
+    log.error("cannot store zip member %r: %s", name, error)
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ApiError(507, "insufficient_storage", "the server has no room left for this study; retry later",
+                        {"Retry-After": "60"})
+    return ApiError(500, "input_failed", f"the server could not store zip member {name!r}: {error.strerror}")
 
 
 def _check_dicom_folder(folder: Path) -> None:

@@ -206,6 +206,43 @@ def _raw_request(url: str, head: bytes) -> tuple[int, dict]:
     return int(status_line.split()[1]), json.loads(rest.split(b"\r\n\r\n", 1)[1] or b"{}")
 
 
+def _deflated_zip(name: str, data: bytes, first_byte: int | None = None) -> bytes:
+    """A one-member deflated zip; `first_byte` replaces the first byte of the member's deflate stream."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(name, data)
+    archive = bytearray(buffer.getvalue())
+    if first_byte is not None:
+        name_length, extra_length = int.from_bytes(archive[26:28], "little"), int.from_bytes(archive[28:30], "little")
+        archive[30 + name_length + extra_length] = first_byte
+    return bytes(archive)
+
+
+def test_zip_members_that_cannot_be_stored_say_why(tmp_path: Path) -> None:
+    """A corrupt deflate stream and an over-long member name are the client's (400 bad_zip, saying which); a
+    full disk is the server's (507, not 'damaged')."""
+    from medserve.server.errors import ApiError
+    from medserve.server.inputs import extract_zip
+
+    def refusal(archive: bytes, dest: Path) -> ApiError:
+        (tmp_path / "in.zip").write_bytes(archive)
+        with pytest.raises(ApiError) as caught:
+            extract_zip(tmp_path / "in.zip", dest, 10**9)
+        return caught.value
+
+    # 0x07: final block of the reserved type 3, which zlib rejects ("invalid block type")
+    error = refusal(_deflated_zip("IM1.dcm", b"DICM" * 5000, first_byte=0x07), tmp_path / "corrupt")
+    assert (error.status, error.code) == (400, "bad_zip") and "'IM1.dcm' is damaged" in error.message, error.message
+    long_name = "a" * 300 + ".dcm"
+    error = refusal(_deflated_zip(long_name, b"DICM"), tmp_path / "long")
+    assert (error.status, error.code) == (400, "bad_zip") and "name too long" in error.message, error.message
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "IM1.dcm").symlink_to("/dev/full")  # every write there fails with ENOSPC, as on a full disk
+    error = refusal(_deflated_zip("IM1.dcm", b"DICM" * 5000), full)
+    assert (error.status, error.code) == (507, "insufficient_storage") and error.headers["Retry-After"], error.message
+
+
 def test_malformed_input_fields_give_400_not_500(thr_server, tmp_path: Path) -> None:
     """Zip members that cannot be extracted, fields of the wrong type and numeric headers with non-ASCII digits
     are the client's mistakes: 400 naming the member, field or header."""
