@@ -31,6 +31,7 @@ import logging
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
@@ -92,86 +93,111 @@ def read_metadata(folder: Path) -> dict[str, Any]:
         raise BundleError(f"{folder.name}: configs/metadata.json is not valid JSON: {error}") from error
 
 
+@dataclass(eq=False)
+class _Ticket:
+    """A place in a gate's queue. `wake` tells its waiter; `admitted` is set when a slot is handed to it."""
+
+    wake: Callable[[], None]
+    admitted: bool = False
+
+
 class Gate:
-    """Per-model admission: a bounded number of running requests and a bounded queue of waiting ones.
+    """Per-model admission: a bounded number of running requests and a bounded queue of waiting ones, served
+    first come, first served.
 
     Sync requests wait on the event loop (`enter_async`), so a waiting request holds no thread; job workers wait
-    in their own thread (`enter`). Both share the same slots; `leave` wakes every waiter of either kind and the
-    first to look takes the slot."""
+    in their own thread (`enter`). Both queue in one line. A slot that is left goes straight to the longest
+    waiter (it stays counted in `active`), so a newcomer cannot take it first; a newcomer takes a free slot
+    only when nobody is waiting."""
 
     def __init__(self, concurrency: int, queue_size: int) -> None:
         self.concurrency = max(1, concurrency)
         self.queue_size = max(0, queue_size)
         self.active = 0
-        self.waiting = 0
         # Threads for the runs of admitted sync requests, apart from anyio's shared pool (auth, file I/O, ...).
         self.limiter = anyio.CapacityLimiter(self.concurrency)
-        self._cond = threading.Condition()
-        self._loop_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._lock = threading.Lock()
+        self._queue: deque[_Ticket] = deque()
 
-    def _free(self) -> bool:
-        return self.active < self.concurrency
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    def _take_free_slot(self) -> bool:
+        """Under the lock: a newcomer's slot, when one is free and nobody waits for it."""
+        if self.active < self.concurrency and not self._queue:
+            self.active += 1
+            return True
+        return False
 
     async def enter_async(self, timeout: float) -> float:
         """Sync requests: take a slot, or wait for one without holding a thread; 429 at once when the queue is
         full, 503 after `timeout` seconds. Returns the seconds spent queued."""
         start = time.monotonic()
         loop = asyncio.get_running_loop()
-        with self._cond:
-            if self._free():
-                self.active += 1
+        admitted: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if self._take_free_slot():
                 return 0.0
-            if self.waiting >= self.queue_size:
+            if len(self._queue) >= self.queue_size:
                 raise ApiError(429, "queue_full", "model is busy and its queue is full; retry later",
                                {"Retry-After": "1"})
-            self.waiting += 1
+            ticket = _Ticket(lambda: loop.call_soon_threadsafe(_wake, admitted))
+            self._queue.append(ticket)
         try:
             with anyio.fail_after(timeout):
-                while True:
-                    woken: asyncio.Future[None] = loop.create_future()
-                    with self._cond:
-                        if self._free():
-                            self.active += 1
-                            return time.monotonic() - start
-                        self._loop_waiters.append((loop, woken))
-                    try:
-                        await woken
-                    finally:
-                        with self._cond:
-                            if (loop, woken) in self._loop_waiters:
-                                self._loop_waiters.remove((loop, woken))
+                await admitted
         except TimeoutError as error:
+            self._withdraw(ticket)
             raise ApiError(503, "queue_timeout", f"waited {timeout:.0f} s for the model; retry later",
                            {"Retry-After": "5"}) from error
-        finally:
-            with self._cond:
-                self.waiting -= 1
+        except BaseException:  # the client went away, or the server is stopping
+            self._withdraw(ticket)
+            raise
+        return time.monotonic() - start
 
     def enter(self, check: Callable[[], None]) -> float:
         """Job workers: wait in this thread for a slot, outside the queue limit (the job queue is bounded by the
         number of workers) and without a timeout; `check()` runs every second and may raise to stop waiting
         (a cancelled job). Returns the seconds spent queued."""
         start = time.monotonic()
-        with self._cond:
-            self.waiting += 1
+        admitted = threading.Event()
+        with self._lock:
+            if self._take_free_slot():
+                return 0.0
+            ticket = _Ticket(admitted.set)
+            self._queue.append(ticket)
         try:
-            while True:
-                with self._cond:
-                    if self._cond.wait_for(self._free, timeout=1.0):
-                        self.active += 1
-                        return time.monotonic() - start
+            while not admitted.wait(timeout=1.0):
                 check()
-        finally:
-            with self._cond:
-                self.waiting -= 1
+        except BaseException:
+            self._withdraw(ticket)
+            raise
+        return time.monotonic() - start
 
     def leave(self) -> None:
-        with self._cond:
-            self.active -= 1
-            waiters, self._loop_waiters = self._loop_waiters, []
-            self._cond.notify_all()
-        for loop, woken in waiters:
-            loop.call_soon_threadsafe(_wake, woken)
+        with self._lock:
+            self._pass_on()
+
+    def _withdraw(self, ticket: _Ticket) -> None:
+        """A waiter gives up: leave the queue, or pass on the slot it was handed meanwhile."""
+        with self._lock:
+            if ticket.admitted:
+                self._pass_on()
+            else:
+                self._queue.remove(ticket)
+
+    def _pass_on(self) -> None:
+        """Under the lock: a slot is free; hand it to the longest waiter, or free it."""
+        while self._queue:
+            ticket = self._queue.popleft()
+            ticket.admitted = True
+            try:
+                ticket.wake()
+                return
+            except RuntimeError:  # its event loop has closed (the server is stopping): nobody will take it
+                continue
+        self.active -= 1
 
 
 def _wake(future: asyncio.Future[None]) -> None:

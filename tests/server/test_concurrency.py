@@ -1,12 +1,16 @@
-"""8 clients x 10 requests mixed across 2 models under an eviction budget of one loaded model: 0 errors."""
+"""8 clients x 10 requests mixed across 2 models under an eviction budget of one loaded model: 0 errors; waiting
+requests hold no threads; admission is first come, first served."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server.conftest import add_bundle, multipart_files, small_study, with_thr
 
@@ -90,3 +94,77 @@ def test_waiting_requests_hold_no_threads(make_server, tmp_path: Path) -> None:
         for t in threads:
             t.join(timeout=300)
     assert statuses == [200] * 60
+
+
+class _LoopThread:
+    """An asyncio event loop in a thread, as the server's: coroutines are submitted from the test thread."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def submit(self, coroutine) -> concurrent.futures.Future:  # noqa: ANN001
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+def _wait_for(condition, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_gate_serves_waiters_first_come_first_served() -> None:
+    """A slot that is left goes to the longest waiter, be it a sync request (waiting on the event loop) or a job
+    worker (waiting in its thread), never to a newcomer that arrives just then; a waiter that gives up leaves the
+    line without taking a slot."""
+    from medserve.server.errors import ApiError
+    from medserve.server.store import Gate
+
+    loop = _LoopThread()
+    admitted: list[str] = []
+
+    async def request(name: str, timeout: float = 30) -> None:
+        await gate.enter_async(timeout)
+        admitted.append(name)
+
+    def job(name: str) -> threading.Thread:
+        def run() -> None:
+            gate.enter(lambda: None)
+            admitted.append(name)
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+    try:
+        for round_ in range(5):
+            gate = Gate(concurrency=1, queue_size=10)
+            admitted.clear()
+            gate.enter(lambda: None)  # busy
+            loop.submit(request("a"))
+            _wait_for(lambda: gate.waiting == 1, "a never queued")
+            job("b")
+            _wait_for(lambda: gate.waiting == 2, "b never queued")
+            gives_up = loop.submit(request("gives up", timeout=0.2))
+            loop.submit(request("c"))
+            _wait_for(lambda: gate.waiting == 4, "c never queued")
+            with pytest.raises(ApiError, match="waited 0 s"):
+                gives_up.result(timeout=10)
+            assert gate.waiting == 3
+            expected = ["a", "b", "c", "newcomer"]
+            for step, name in enumerate(expected):
+                gate.leave()  # the holder of the slot is done
+                if step == 0:
+                    job("newcomer")  # arrives just as the slot is left
+                _wait_for(lambda: len(admitted) == step + 1, f"round {round_}: nobody got the slot after {admitted}")
+                assert admitted == expected[:step + 1], (round_, admitted)
+                assert gate.active == 1
+            gate.leave()
+            assert (gate.active, gate.waiting) == (0, 0)
+    finally:
+        loop.close()
