@@ -133,7 +133,7 @@ class RunRequest:
     image: str
     input: Path | None
     output: Path | None
-    gpus: str | None = None  # "all", a count, or None: what pkg.json asks for
+    gpus: str | None = None  # "all", a count, device indices ("0,2"), or None: what pkg.json asks for
     engine: str = "auto"
     config: Path | None = None  # replaces the packaged app.yaml
     extra_args: list[str] = field(default_factory=list)
@@ -143,17 +143,24 @@ def _mapped(path: str, working_dir: str) -> str:
     return path if posixpath.isabs(path) else posixpath.join(working_dir, path)
 
 
-def wanted_gpus(value: str | None) -> int | str | None:
-    """--gpus: None (what pkg.json asks for), "all", or a number of GPUs >= 1."""
+def wanted_gpus(value: str | None) -> int | str | tuple[int, ...] | None:
+    """--gpus: None (what pkg.json asks for), "all", a number of GPUs >= 1 (the first ones, as docker's
+    `--gpus N`), or a device list: "0,2" or "device=1" (the indices, as docker's `--gpus device=...`)."""
     if value is None or value == "all":
         return value
     if value.isdigit() and int(value) >= 1:
         return int(value)
-    raise PackagingError(f"--gpus {value}: expected 'all' or a number of GPUs (1, 2, ...); device lists such as "
-                         "'0,1' (monai-deploy run's NVIDIA_VISIBLE_DEVICES) are not supported")
+    listed = value.removeprefix("device=")
+    indices = listed.split(",")
+    if ("," in listed or listed != value) and all(i.isascii() and i.isdigit() for i in indices):
+        if len(set(indices)) != len(indices):
+            raise PackagingError(f"--gpus {value}: a device is listed twice")
+        return tuple(int(i) for i in indices)
+    raise PackagingError(f"--gpus {value}: expected 'all', a number of GPUs (1, 2, ...) or device indices "
+                         "('0,2' or 'device=1')")
 
 
-def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | None) -> list[str]:
+def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | tuple[int, ...] | None) -> list[str]:
     asked = requested_gpus(pkg)
     available = host_gpu_count()
     if wanted is None and asked == 0:
@@ -161,14 +168,22 @@ def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | None) -> list[
     if available == 0:
         logger.warning("the package asks for %s GPU(s) and this host has none: running on CPU", wanted or asked)
         return []
-    count = available if wanted == "all" else int(wanted or asked)
-    if count > available:
-        raise PackagingError(f"{count} GPU(s) requested, this host has {available}")
-    devices = ",".join(map(str, range(count)))
+    if isinstance(wanted, tuple):
+        missing = [i for i in wanted if i >= available]
+        if missing:
+            raise PackagingError(f"GPU device(s) {', '.join(map(str, missing))} requested; this host has "
+                                 f"{available} (devices 0-{available - 1})")
+        devices = list(wanted)
+    else:
+        count = available if wanted == "all" else int(wanted or asked)
+        if count > available:
+            raise PackagingError(f"{count} GPU(s) requested, this host has {available}")
+        devices = list(range(count))
     if tool == "docker":
-        return ["--gpus", "all" if count == available else f'"device={devices}"']
+        listed = ",".join(map(str, devices))
+        return ["--gpus", "all" if wanted == "all" else f'"device={listed}"']
     # podman: CDI devices (nvidia-ctk cdi generate writes /etc/cdi/nvidia.yaml)
-    return [arg for i in range(count) for arg in ("--device", f"nvidia.com/gpu={i}")]
+    return [arg for i in devices for arg in ("--device", f"nvidia.com/gpu={i}")]
 
 
 def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str, Any]) -> list[str]:

@@ -13,6 +13,7 @@ from holoscan_cli.common import dockerutils
 from medserve.cli import main as cli_main
 from medserve.packaging import engine, registry
 from medserve.packaging import run as map_run
+from medserve.errors import PackagingError
 from medserve.packaging.run import RunRequest, run_argv, ulimits
 
 APP_JSON = {"workingDirectory": "/var/holoscan", "input": {"path": "input/"}, "output": {"path": "output/"},
@@ -68,8 +69,10 @@ def test_ulimits_without_cap_sys_resource_never_exceed_ours(monkeypatch: pytest.
                                  "nproc=32768:32768"]
 
 
-@pytest.mark.parametrize(("value", "expected"), [("0,1", "--gpus 0,1: expected 'all' or a number of GPUs"),
-                                                  ("0", "--gpus 0: expected"), ("two", "--gpus two: expected")])
+@pytest.mark.parametrize(("value", "expected"), [("0", "--gpus 0: expected 'all', a number of GPUs"),
+                                                  ("two", "--gpus two: expected"), ("0,x", "--gpus 0,x: expected"),
+                                                  ("device=", "--gpus device=: expected"),
+                                                  ("1,1", "--gpus 1,1: a device is listed twice")])
 def test_bad_gpus_is_one_error_line(no_engine_calls: list, capsys: pytest.CaptureFixture, value: str,
                                     expected: str) -> None:
     assert cli_main(["run", "img:1", "--gpus", value]) == 2
@@ -85,6 +88,18 @@ def test_gpu_count_on_a_gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
     podman = run_argv(RunRequest("img:1", None, None, gpus="all"), "podman", APP_JSON, PKG_JSON)
     assert [podman[i + 1] for i, arg in enumerate(podman) if arg == "--device"] == ["nvidia.com/gpu=0",
                                                                                     "nvidia.com/gpu=1"]
+
+
+def test_gpu_device_lists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device indices pick those GPUs (docker's `--gpus '"device=0,2"'`, podman's CDI devices); an index the host
+    lacks is an error naming it."""
+    monkeypatch.setattr(map_run, "host_gpu_count", lambda: 4)
+    docker = run_argv(RunRequest("img:1", None, None, gpus="0,2"), "docker", APP_JSON, PKG_JSON)
+    assert docker[docker.index("--gpus") + 1] == '"device=0,2"'
+    podman = run_argv(RunRequest("img:1", None, None, gpus="device=3"), "podman", APP_JSON, PKG_JSON)
+    assert [podman[i + 1] for i, arg in enumerate(podman) if arg == "--device"] == ["nvidia.com/gpu=3"]
+    with pytest.raises(PackagingError, match=r"GPU device\(s\) 4, 7 requested; this host has 4 \(devices 0-3\)"):
+        run_argv(RunRequest("img:1", None, None, gpus="1,4,7"), "docker", APP_JSON, PKG_JSON)
 
 
 @pytest.mark.parametrize("where", ["file", "file/sub"])
