@@ -19,7 +19,7 @@ import numpy as np
 
 from medserve.errors import BundleError, PackagingError
 from medserve.packaging import engine
-from medserve.packaging.run import RunRequest, app_exit_code, prepare, read_manifests
+from medserve.packaging.run import RunRequest, app_exit_code, prepare, read_manifests, wanted_gpus
 from medserve.server.errors import ApiError
 from medserve.server.inputs import InputSpec
 
@@ -57,8 +57,12 @@ class MapModel:
         choice = data.get("engine", "auto")
         if choice not in ("auto", "podman", "docker"):
             raise BundleError(f"{path.name}: engine must be auto, podman or docker, not {choice!r}")
-        gpus = data.get("gpus")
-        return cls(name, data["image"], choice, None if gpus is None else str(gpus))
+        gpus = None if data.get("gpus") is None else str(data["gpus"])
+        try:
+            wanted_gpus(gpus)
+        except PackagingError as error:
+            raise BundleError(f"{path.name}: {error}") from error
+        return cls(name, data["image"], choice, gpus)
 
     def check(self) -> None:
         """The image is there (or pullable) and is a MAP: its manifests can be read. Raises PackagingError."""

@@ -261,3 +261,23 @@ def test_unload_during_a_load_wins(make_server, held_loads: threading.Event, stu
     r = httpx.post(server.url + "/v1/models/a/infer", files=multipart_files(study), timeout=120)
     assert r.status_code == 200, r.text
     assert _models(server.url)["a"]["state"] == "loaded"
+
+
+@pytest.mark.parametrize(("descriptor", "expected"), [
+    ({"image": "x:1", "gpus": "0,0"}, "seg.map.json: --gpus 0,0: a device is listed twice"),
+    ({"image": "x:1", "gpus": "some"}, "seg.map.json: --gpus some: expected 'all', a number of GPUs"),
+    ({"image": "x:1", "gpu": 1}, "seg.map.json: unknown field(s) gpu; allowed: image, engine, gpus"),
+])
+def test_map_descriptor_fields_are_checked_when_read(tmp_path: Path, descriptor: dict, expected: str) -> None:
+    """A MAP descriptor's mistakes show when the store reads it (the model is `failed` with this reason), not
+    at its first request."""
+    from medserve.errors import BundleError
+    from medserve.server.maps import MapModel
+
+    path = tmp_path / "seg.map.json"
+    path.write_text(json.dumps(descriptor))
+    with pytest.raises(BundleError) as caught:
+        MapModel.from_file(path)
+    assert str(caught.value).startswith(expected), caught.value
+    path.write_text(json.dumps({"image": "x:1", "gpus": "device=1"}))
+    assert MapModel.from_file(path).gpus == "device=1"
