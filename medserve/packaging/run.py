@@ -186,6 +186,24 @@ def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | tuple[int, ...
     return [arg for i in devices for arg in ("--device", f"nvidia.com/gpu={i}")]
 
 
+def shared_memory_bytes(pkg: dict[str, Any]) -> int | None:
+    """/dev/shm size in bytes when pkg.json's resources ask for one, read as `monai-deploy run --shm-size config`
+    reads it (its units: Mi/MiB and Gi/GiB binary, MB/m and GB/g decimal; the largest of the app's and its
+    fragments' values), so that docker and podman, which read "m" and "g" as binary, size it the same."""
+    resources = pkg.get("resources") or {}
+    fragments = resources.get("fragments") or {}
+    if not resources.get("sharedMemory") and not any("sharedMemory" in f for f in fragments.values()):
+        return None
+    from holoscan_cli.common.exceptions import InvalidSharedMemoryValueError
+    from holoscan_cli.runner.resources import get_shared_memory_size
+
+    try:
+        return int(get_shared_memory_size(pkg, False, False, None, "config"))
+    except (InvalidSharedMemoryValueError, TypeError) as error:
+        raise PackagingError(f"pkg.json resources.sharedMemory: {error}Expected a size such as 1Gi, 512Mi or 2GB") \
+            from error
+
+
 def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str, Any]) -> list[str]:
     working_dir = app.get("workingDirectory") or layout.WORK_DIR
     mapped_input = _mapped((app.get("input") or {}).get("path", layout.INPUT_DIR), working_dir)
@@ -201,9 +219,9 @@ def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str,
     argv += ["--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}", "-w", working_dir]
     for limit in ulimits(tool):
         argv += ["--ulimit", limit]
-    shared = (pkg.get("resources") or {}).get("sharedMemory")
-    if shared:
-        argv += ["--shm-size", str(shared).replace("Gi", "g").replace("Mi", "m")]
+    shared = shared_memory_bytes(pkg)
+    if shared is not None:
+        argv += ["--shm-size", str(shared)]
     if request.input is not None:
         argv += ["-v", f"{request.input.resolve()}:{mapped_input}:ro"]
     if request.output is not None:

@@ -102,6 +102,22 @@ def test_gpu_device_lists(monkeypatch: pytest.MonkeyPatch) -> None:
         run_argv(RunRequest("img:1", None, None, gpus="1,4,7"), "docker", APP_JSON, PKG_JSON)
 
 
+@pytest.mark.parametrize(("resources", "size"), [({}, None), ({"sharedMemory": "1.5Gi"}, "1610612736"),
+                                                ({"sharedMemory": "512MB"}, "512000000"),
+                                                ({"sharedMemory": "1g", "fragments": {"f": {"sharedMemory": "2Gi"}}},
+                                                 "2147483648")])
+def test_shared_memory_in_bytes_as_monai_deploy_reads_it(resources: dict, size: str | None) -> None:
+    """pkg.json's sharedMemory becomes --shm-size in bytes with holoscan-cli's units (MB decimal, Mi binary),
+    which the engines' own "m"/"g" (binary) would not keep."""
+    argv = run_argv(RunRequest("img:1", None, None), "podman", APP_JSON, {"resources": {"cpu": 1, **resources}})
+    assert (argv[argv.index("--shm-size") + 1] if "--shm-size" in argv else None) == size
+
+
+def test_unreadable_shared_memory_is_one_error_naming_the_field() -> None:
+    with pytest.raises(PackagingError, match=r"^pkg.json resources.sharedMemory: .*lots.*Expected a size such as"):
+        run_argv(RunRequest("img:1", None, None), "podman", APP_JSON, {"resources": {"sharedMemory": "lots"}})
+
+
 @pytest.mark.parametrize("where", ["file", "file/sub"])
 def test_output_that_is_or_is_under_a_file(no_engine_calls: list, tmp_path: Path, capsys: pytest.CaptureFixture,
                                            where: str) -> None:
