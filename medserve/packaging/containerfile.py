@@ -8,6 +8,7 @@ pip.conf (the index URL, which may hold a token) never become layers or RUN line
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from medserve.packaging import layout
@@ -20,17 +21,32 @@ SITE = f"{layout.VENV_DIR}/lib/python3.11/site-packages"
 PIP_DIR = "/tmp/pip"  # where the pip step mounts the context's pip/
 
 
-def pip_config(inputs: "BuildInputs", index_url: str | None, has_ca_bundle: bool) -> str:
-    """pip.conf of the pip step: the wheel directory only, or the index (and the PyTorch CPU index for the CPU
-    variant), with the host's CA bundle when there is one."""
+@dataclass(frozen=True)
+class PipIndexes:
+    """The package indexes a build's pip step uses: those this machine's `pip install` would use, as far as a
+    build can reach them."""
+
+    index_url: str | None = None
+    extra_index_urls: tuple[str, ...] = ()
+    trusted_hosts: tuple[str, ...] = ()
+
+
+def pip_config(inputs: "BuildInputs", indexes: PipIndexes, has_ca_bundle: bool) -> str:
+    """pip.conf of the pip step: the wheel directory only, or the host's indexes (and the PyTorch CPU index for
+    the CPU variant), with the host's CA bundle when there is one."""
     lines = ["[global]"]
     if inputs.wheel_dir is not None:
         lines += ["no-index = true", f"find-links = {PIP_DIR}/wheels"]
     else:
-        if index_url is not None:
-            lines.append(f"index-url = {index_url}")
-        if inputs.variant == "cpu":
-            lines.append(f"extra-index-url = {TORCH_CPU_INDEX}")
+        extras = list(indexes.extra_index_urls)
+        if inputs.variant == "cpu" and TORCH_CPU_INDEX not in extras:
+            extras.append(TORCH_CPU_INDEX)
+        if indexes.index_url is not None:
+            lines.append(f"index-url = {indexes.index_url}")
+        if extras:
+            lines.append("extra-index-url = " + " ".join(extras))
+        if indexes.trusted_hosts:
+            lines.append("trusted-host = " + " ".join(indexes.trusted_hosts))
         if has_ca_bundle:
             lines.append(f"cert = {PIP_DIR}/ca.crt")
     return "\n".join(lines) + "\n"

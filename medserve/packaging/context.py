@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import ast
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import shutil
 import ssl
+import subprocess
+import sys
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -18,7 +22,7 @@ import medserve
 from medserve.errors import PackagingError
 from medserve.packaging import layout
 from medserve.packaging.config import AppConfig
-from medserve.packaging.containerfile import pip_config, render
+from medserve.packaging.containerfile import PipIndexes, pip_config, render
 from medserve.packaging.manifest import AppSource, named, sdk_pins
 
 logger = logging.getLogger("medserve.packaging.context")
@@ -113,10 +117,31 @@ def host_ca_bundle() -> Path | None:
     return None
 
 
-def index_url() -> str | None:
-    """PIP_INDEX_URL when the build can reach it (file:// indexes of the host do not exist in the build)."""
-    index = os.environ.get("PIP_INDEX_URL", "")
-    return index if index.startswith(("http://", "https://")) else None
+def host_pip_indexes() -> PipIndexes:
+    """index-url, extra-index-url and trusted-host as `pip install` here resolves them (PIP_* variables, then
+    the [install], then the [global] section of pip's configuration files), read with `pip config list`.
+    Only http(s) indexes are kept: file:// ones and find-links are folders of this machine, not of the build."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
+                            check=False).stdout
+    settings: dict[tuple[str, str], str] = {}
+    for line in listed.splitlines():
+        key, separator, quoted = line.partition("=")
+        section, _, name = key.rpartition(".")
+        if separator:
+            with contextlib.suppress(ValueError, SyntaxError):
+                settings[(section, name)] = str(ast.literal_eval(quoted))
+
+    def values(name: str) -> list[str]:
+        for section in (":env:", "install", "global"):
+            if (section, name) in settings:
+                return settings[(section, name)].split()
+        return []
+
+    def reachable(urls: list[str]) -> tuple[str, ...]:
+        return tuple(url for url in urls if url.startswith(("http://", "https://")))
+
+    index = reachable(values("index-url")[:1])
+    return PipIndexes(index[0] if index else None, reachable(values("extra-index-url")), tuple(values("trusted-host")))
 
 
 def _medserve_packages() -> list[Path]:
@@ -196,7 +221,7 @@ def write_context(inputs: BuildInputs, directory: Path) -> Path:
         shutil.copy2(ca_bundle, pip_dir / "ca.crt")
     if inputs.wheel_dir is not None:
         _link_tree(inputs.wheel_dir, pip_dir / "wheels")
-    pip_conf = pip_config(inputs, index_url(), ca_bundle is not None)
+    pip_conf = pip_config(inputs, host_pip_indexes(), ca_bundle is not None)
     (pip_dir / "pip.conf").write_text(pip_conf)
 
     containerfile = directory / "Containerfile"

@@ -19,9 +19,9 @@ from holoscan_cli.packager.parameters import PackageBuildParameters
 from medserve.errors import MedserveError, PackagingError
 from medserve.packaging.build import PackageRequest, prepare
 from medserve.packaging.config import read_app_config
-from medserve.packaging.containerfile import TORCH_CPU_INDEX, pip_config, render, user_setup
+from medserve.packaging.containerfile import TORCH_CPU_INDEX, PipIndexes, pip_config, render, user_setup
 from medserve.packaging.context import (CA_BUNDLE_VARIABLES, CUDA_RUNTIME_PIN, app_requirements, host_ca_bundle,
-                                        index_url, write_context)
+                                        host_pip_indexes, write_context)
 from medserve.packaging.manifest import (PLATFORMS, app_manifest, find_app, package_manifest, scan_models,
                                          sdk_versions)
 
@@ -217,8 +217,8 @@ def test_containerfile_variants(tmp_path: Path) -> None:
     cpu = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", variant="cpu"))
     cuda = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", variant="cuda"))
     cpu_file, cuda_file = render(cpu, False, "f"), render(cuda, False, "f")
-    assert f"extra-index-url = {TORCH_CPU_INDEX}" in pip_config(cpu, None, False)
-    assert TORCH_CPU_INDEX not in pip_config(cuda, None, False)
+    assert f"extra-index-url = {TORCH_CPU_INDEX}" in pip_config(cpu, PipIndexes(), False)
+    assert TORCH_CPU_INDEX not in pip_config(cuda, PipIndexes(), False)
     assert "CPU variant got a CUDA torch build" in cpu_file
     assert "CPU variant got a CUDA torch build" not in cuda_file
     assert 'ENTRYPOINT ["/var/holoscan/tools"]' in cpu_file
@@ -285,7 +285,27 @@ def test_index_token_stays_out_of_the_containerfile(tmp_path: Path, monkeypatch:
         fingerprints.add(re.search(r": deps-(\w+);", containerfile).group(1))
     assert len(fingerprints) == 2  # a new index still rebuilds the environment
     monkeypatch.setenv("PIP_INDEX_URL", "file:///opt/pypi/simple")  # not reachable from the build
-    assert "index-url" not in pip_config(inputs, index_url(), False).replace("extra-index-url", "")
+    assert "index-url" not in pip_config(inputs, host_pip_indexes(), False).replace("extra-index-url", "")
+
+
+def test_the_build_uses_the_indexes_pip_install_uses_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mirror set in pip.conf (as hospitals' networks do) reaches the build: [install] before [global], PIP_*
+    variables before both; file:// indexes (this machine's folders) stay out."""
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    config = tmp_path / "pip.conf"
+    config.write_text("[global]\nindex-url = https://global.example/simple\n"
+                      "extra-index-url =\n    http://extra.example/simple\n    file:///opt/pypi/simple\n"
+                      "trusted-host = extra.example\n[install]\nindex-url = https://mirror.example/simple\n")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(config))
+    assert host_pip_indexes() == PipIndexes("https://mirror.example/simple", ("http://extra.example/simple",),
+                                            ("extra.example",))
+    inputs = prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1", variant="cpu"))
+    assert pip_config(inputs, host_pip_indexes(), False) == (
+        "[global]\nindex-url = https://mirror.example/simple\n"
+        f"extra-index-url = http://extra.example/simple {TORCH_CPU_INDEX}\ntrusted-host = extra.example\n")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://env-one.example/simple https://env-two.example/simple")
+    assert host_pip_indexes().extra_index_urls == ("https://env-one.example/simple", "https://env-two.example/simple")
 
 
 def test_context_leaves_out_what_the_official_dockerignore_does(tmp_path: Path) -> None:
