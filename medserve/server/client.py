@@ -32,11 +32,21 @@ def cache_dir() -> Path:
 
 
 def study_zip(study_dir: Path) -> Path:
-    """A deterministic zip of the study (sorted names, fixed timestamps, stored): the same folder always gives
-    the same bytes, which is what lets a re-run resume the earlier upload instead of starting over."""
-    files = sorted(p for p in study_dir.rglob("*") if p.is_file())
+    """A deterministic zip of the study's DICOM files (sorted names, fixed timestamps, stored): the same folder
+    always gives the same bytes, which is what lets a re-run resume the earlier upload instead of starting over.
+    Other files (a CD's README.txt, autorun.inf, .DS_Store) are left out with a warning, as the DICOM loader
+    skips them; the server would refuse them."""
+    from medserve.server.inputs import sniff
+
+    found = sorted(p for p in study_dir.rglob("*") if p.is_file())
+    files = [p for p in found if sniff(p) == "dicom"]
+    others = [p.relative_to(study_dir).as_posix() for p in found if p not in files]
     if not files:
-        raise ClientError(f"{study_dir}: no files to upload")
+        what = f"{len(others)} files, none of them DICOM (no 'DICM' marker at byte 128)" if others else "no files"
+        raise ClientError(f"{study_dir}: nothing to upload: {what}")
+    if others:
+        log.warning("%s: leaving out %d files that are not DICOM: %s", study_dir, len(others),
+                    ", ".join(others[:5]) + (", ..." if len(others) > 5 else ""))
     key = hashlib.sha256()
     for path in files:
         st = path.stat()
@@ -54,6 +64,26 @@ def study_zip(study_dir: Path) -> Path:
                     out.write(block)
     partial.replace(target)
     return target
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1024 * 1024):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class UploadKey:
+    """tuspy's key for a stored upload URL (its `fingerprinter`): the server and the whole file's hash. tuspy's
+    own key (the size and the first 64 KB) takes another study of the same size and start for the one uploaded
+    before; and the same study sent to another server must not resume there."""
+
+    def __init__(self, server_url: str, path: Path) -> None:
+        self.key = f"{server_url.rstrip('/')} sha256:{_sha256(path)}"
+
+    def get_fingerprint(self, fs: Any) -> str:
+        return self.key
 
 
 class Client:
@@ -79,18 +109,21 @@ class Client:
             raise ClientError(f"cannot reach the server at {self.url}: {error}") from error
 
     def upload(self, path: Path, progress: Callable[[int, int], None] | None = None) -> str:
-        """tus upload of `path`, resuming an earlier partial upload of the same file; returns the upload id."""
+        """tus upload of `path`, resuming an earlier partial upload of the same bytes to this server; returns the
+        upload id. An upload the server no longer has (expired or deleted) is forgotten and started again."""
         from tusclient import client as tus
         from tusclient.exceptions import TusCommunicationError, TusUploadFailed
         from tusclient.storage.filestorage import FileStorage
 
         storage = FileStorage(str(cache_dir() / "tus-urls.json"))
         tus_client = tus.TusClient(f"{self.url}/v1/uploads", headers=dict(self.headers))
+        fingerprint = UploadKey(self.url, path)
         for attempt in range(2):
-            uploader = tus_client.uploader(str(path), chunk_size=CHUNK, store_url=True, url_storage=storage,
-                                           metadata={"filename": path.name}, upload_checksum=True, retries=3,
-                                           retry_delay=1)
             try:
+                # With a stored URL, the constructor already asks the server for the offset.
+                uploader = tus_client.uploader(str(path), chunk_size=CHUNK, store_url=True, url_storage=storage,
+                                               fingerprinter=fingerprint, metadata={"filename": path.name},
+                                               upload_checksum=True, retries=3, retry_delay=1)
                 size = uploader.get_file_size()
                 while uploader.offset < size:
                     uploader.upload_chunk()
@@ -98,9 +131,8 @@ class Client:
                         progress(uploader.offset, size)
                 return uploader.url.rstrip("/").rsplit("/", 1)[-1]
             except (TusCommunicationError, TusUploadFailed) as error:
-                # The stored upload expired or was deleted on the server: forget it and start once more.
                 if attempt == 0 and getattr(error, "status_code", None) in (404, 410):
-                    storage.remove_item(uploader._get_fingerprint())
+                    storage.remove_item(fingerprint.key)
                     continue
                 raise ClientError(f"upload failed: {error} {getattr(error, 'response_content', '')!r}") from error
         raise ClientError("upload failed twice")

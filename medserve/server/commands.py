@@ -130,7 +130,7 @@ def infer_command(args: argparse.Namespace) -> int:
             upload_id = client.upload(archive, lambda done, total: bar.update(task, completed=done))
             bar.update(task, completed=archive.stat().st_size)
         body: dict[str, Any] = {"upload": upload_id}
-        key = hashlib.sha256(f"{args.name}\0upload\0{upload_id}".encode()).hexdigest()
+        key: str | None = f"{args.name}\0upload\0{upload_id}"
     else:
         body = {"study": args.study}
         if args.series:
@@ -140,7 +140,7 @@ def infer_command(args: argparse.Namespace) -> int:
         if args.writeback:
             body["writeback"] = True
         key = None  # a second run on a store reference is a new request (the study may have changed)
-    job = client.submit(args.name, body, key)
+    job = _submit(client, args.name, body, key)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   console=console) as bar:
         task = bar.add_task(f"job {job['id'][:8]}", total=1.0)
@@ -160,6 +160,19 @@ def infer_command(args: argparse.Namespace) -> int:
         console.print("segments: " + ", ".join(f"{k}={v}" for k, v in job["segments"].items()))
     print(target)
     return 0
+
+
+def _submit(client: Any, model: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
+    """Submit a job. With a `key` (an uploaded study), a re-run after a crash or ctrl-C finds the same job through
+    its Idempotency-Key instead of running it again; but a job that ended failed or cancelled is not what a
+    re-run wants (the bundle may have been fixed since), so the next key of the sequence starts a new one."""
+    attempt = 0
+    while True:
+        idempotency = hashlib.sha256(f"{key}\0{attempt}".encode()).hexdigest() if key is not None else None
+        job = client.submit(model, body, idempotency)
+        if key is None or job["state"] not in ("failed", "cancelled"):
+            return job
+        attempt += 1
 
 
 def _mb(value: int | None) -> str:

@@ -11,7 +11,7 @@ import pydicom
 from tusclient import client as tus
 from tusclient.storage.filestorage import FileStorage
 
-from medserve.server.client import study_zip
+from medserve.server.client import UploadKey, study_zip
 from tests.server.conftest import REPO, add_bundle
 
 
@@ -33,7 +33,8 @@ def test_infer_resumes_upload_and_tables(make_server, demo_study: Path, tmp_path
         del os.environ["MEDSERVE_CACHE"]
     storage = FileStorage(str(Path(env["MEDSERVE_CACHE"]) / "tus-urls.json"))
     partial = tus.TusClient(server.url + "/v1/uploads").uploader(
-        str(archive), chunk_size=100_000, store_url=True, url_storage=storage, metadata={"filename": archive.name})
+        str(archive), chunk_size=100_000, store_url=True, url_storage=storage, metadata={"filename": archive.name},
+        fingerprinter=UploadKey(server.url, archive))
     partial.upload(stop_at=300_000)
     partial_id = partial.url.rsplit("/", 1)[-1]
     storage._db.close()
@@ -81,3 +82,62 @@ def test_tokens_and_scopes(make_server, tmp_path: Path) -> None:
     assert httpx.get(url + "/v1/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
     r = httpx.post(url + "/v1/uploads", headers={"Tus-Resumable": "1.0.0", "Upload-Length": "1"})
     assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+
+
+def test_infer_reruns_find_the_right_upload_and_job(thr_server, tmp_path: Path) -> None:
+    """`medserve infer` re-runs: another study of the same size and first 64 KB is uploaded anew (not taken for
+    the first); an upload the server has dropped is started again; a job that failed is run again once the
+    bundle is fixed, instead of being replayed; files that are not DICOM stay out of the upload."""
+    import httpx
+    import numpy as np
+
+    from tests.server.conftest import small_study
+
+    url = thr_server.url
+    env = {**os.environ, "MEDSERVE_CACHE": str(tmp_path / "cache"), "COLUMNS": "200"}
+
+    def infer(model: str, study: Path, out: str) -> subprocess.CompletedProcess:
+        return _cli("infer", model, str(study), "-o", str(tmp_path / out), "--url", url, env=env)
+
+    first = small_study(tmp_path / "first", size=16, slices=6)
+    assert infer("thr", first, "out1").returncode == 0
+    # The same study with other pixels in its last slice: same file sizes, same first 64 KB of the zip.
+    second = tmp_path / "second"
+    second.mkdir()
+    for path in sorted(first.iterdir()):
+        (second / path.name).write_bytes(path.read_bytes())
+    last = sorted(second.iterdir())[-1]
+    dataset = pydicom.dcmread(last)
+    dataset.PixelData = (np.frombuffer(dataset.PixelData, np.int16) + 500).astype(np.int16).tobytes()
+    dataset.save_as(last)
+    assert last.stat().st_size == (first / last.name).stat().st_size
+    (second / "README.txt").write_text("a CD's leaflet, not DICOM")
+    run = infer("thr", second, "out2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "leaving out 1 files that are not DICOM: README.txt" in run.stderr
+    jobs = httpx.get(url + "/v1/jobs").json()["jobs"]
+    assert len(jobs) == 2 and len(list(thr_server.config.uploads_dir.glob("*.bin"))) == 2
+    assert (tmp_path / "out1" / "seg.dcm").read_bytes() != (tmp_path / "out2" / "seg.dcm").read_bytes()
+
+    # The server has dropped the uploads (expired, or deleted): a re-run uploads the study again.
+    for upload in thr_server.config.uploads_dir.glob("*.bin"):
+        httpx.delete(f"{url}/v1/uploads/{upload.stem}", headers={"Tus-Resumable": "1.0.0"})
+    run = infer("thr", first, "out3")
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    # A bundle without weights: the job fails. Once the weights are there, the re-run runs a new job.
+    broken = thr_server.config.store / "late"
+    for part in ("configs", "models"):
+        (broken / part).mkdir(parents=True)
+        for path in (thr_server.config.store / "thr" / part).iterdir():
+            if path.name != "model.pt":
+                (broken / part / path.name).write_bytes(path.read_bytes())
+    thr_server.store.wait_until("late", ("failed",), 30)
+    run = infer("late", first, "out4")
+    assert run.returncode != 0 and "failed" in run.stderr, run.stderr[-3000:]
+    (broken / "models" / "model.pt").write_bytes((thr_server.config.store / "thr" / "models" / "model.pt").read_bytes())
+    thr_server.store.wait_until("late", ("loaded", "available"), 30)
+    run = infer("late", first, "out4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    states = sorted(j["state"] for j in httpx.get(url + "/v1/jobs").json()["jobs"] if j["model"] == "late")
+    assert states == ["failed", "succeeded"], states
