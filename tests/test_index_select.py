@@ -101,6 +101,18 @@ def test_image_without_sop_instance_uid_is_refused_naming_the_file(two_series_st
         index_folder(two_series_study)
 
 
+def test_image_without_its_series_uid_is_refused_saying_which_uid(tmp_path):
+    from medserve.demo.phantom import make_phantom
+    from medserve.demo.study import write_ct_series
+
+    victim = write_ct_series(make_phantom(shape=(3, 8, 8), seed=1).hu, tmp_path / "study").paths[1]
+    dataset = pydicom.dcmread(victim)
+    del dataset.SeriesInstanceUID
+    dataset.save_as(victim)
+    with pytest.raises(DicomInputError, match=rf"^{victim}: corrupt or truncated DICOM file, or an incomplete object: SeriesInstanceUID missing$"):
+        index_folder(tmp_path / "study")
+
+
 def test_default_rules_pick_the_largest_ct_series(two_series_study):
     [choice] = select_series(index_folder(two_series_study))
     assert choice.series.description == "Abdomen 3mm"

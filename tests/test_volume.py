@@ -327,6 +327,15 @@ def test_missing_geometry_attribute_is_refused(tmp_path, phantom):
         volume_of(tmp_path)
 
 
+def test_empty_samples_per_pixel_is_refused_naming_it(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    dataset = pydicom.dcmread(written.paths[2])
+    dataset.SamplesPerPixel = None
+    dataset.save_as(written.paths[2])
+    with pytest.raises(VolumeError, match=f"{written.paths[2].name}: SamplesPerPixel is empty; expected 1"):
+        volume_of(tmp_path)
+
+
 def test_stored_bits_below_allocated_are_sign_extended(tmp_path, phantom):
     written = _write(tmp_path, phantom)
     for path in written.paths:

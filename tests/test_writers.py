@@ -17,7 +17,7 @@ from medserve.demo.phantom import make_phantom
 from medserve.demo.study import Patient, SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.volume import load_series
-from medserve.errors import OutputError
+from medserve.errors import DicomInputError, OutputError
 from medserve.writers.files import atomic_output
 from medserve.writers.labels import label_array
 from medserve.writers import seg as seg_module
@@ -92,6 +92,68 @@ def test_seg_works_when_the_source_lacks_optional_patient_attributes(tmp_path):
     assert "PatientBirthDate" not in series.header and "PatientSex" not in series.header
     path = write(tmp_path, series, volume, multi_label(volume))
     assert dciodvfy_errors(path) == []
+
+
+def _edited_study(folder: Path, edit) -> tuple:
+    phantom = make_phantom(shape=(8, 24, 24), seed=4)
+    for path in write_ct_series(phantom.hu, folder).paths:
+        dataset = pydicom.dcmread(path)
+        edit(dataset)
+        dataset.save_as(path)
+    loaded = load_series(index_folder(folder).all_series[0])
+    return loaded, multi_label_small(loaded)
+
+
+def multi_label_small(loaded) -> np.ndarray:
+    label_map = np.zeros(loaded.volume.array.shape, dtype=np.uint16)
+    label_map[1:4, 4:12, 4:12], label_map[5, 14:20, 14:20] = 1, 2
+    return label_map
+
+
+def _set(**values):
+    def edit(dataset: pydicom.Dataset) -> None:
+        for keyword, value in values.items():
+            if value is None:
+                delattr(dataset, keyword)
+            else:
+                setattr(dataset, keyword, value)
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (_set(PatientSex="U"), {"PatientSex": ""}),
+    (_set(PatientBirthDate="1970-01-01", StudyTime="09:30:00"), {"PatientBirthDate": "", "StudyTime": ""}),
+    (_set(SpecificCharacterSet=""), {"SpecificCharacterSet": "ISO_IR 192"}),
+    (_set(SpecificCharacterSet=["", "ISO 2022 IR 87"], PatientName="Yamada^Tarou=山田^太郎"),
+     {"SpecificCharacterSet": "ISO_IR 192", "PatientName": "Yamada^Tarou=山田^太郎"}),
+    (_set(SpecificCharacterSet="ISO_IR 6"), {"SpecificCharacterSet": "ISO_IR 192"}),
+    (_set(SliceThickness=None), {"PixelMeasuresSequence": SeriesGeometry().slice_spacing}),
+], ids=["sex-U", "iso-date-and-time", "empty-charset", "japanese-code-extensions", "iso-ir-6", "no-slice-thickness"])
+@pytest.mark.filterwarnings("ignore:Invalid value for VR")  # pydicom, as the test writes the invalid source values
+def test_seg_survives_headers_seen_in_the_wild(tmp_path, edit, expected):
+    """Values PACS and anonymisers write every day but highdicom refuses to copy: the SEG is written (values
+    DICOM does not allow are left empty, the character set becomes UTF-8) and reads back to the label map."""
+    loaded, label_map = _edited_study(tmp_path / "study", edit)
+    path = write_seg(build_seg(label_map, loaded.source_datasets, {1: "spleen", 2: "liver"}, Algorithm("a", "1")),
+                     tmp_path / "seg.dcm")
+    assert dciodvfy_errors(path) == []
+    back = pydicom.dcmread(path)
+    for keyword, value in expected.items():
+        if keyword == "PixelMeasuresSequence":  # the spacing between the images stands in for the thickness
+            measures = back.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0]
+            assert float(measures.SliceThickness) == pytest.approx(value)
+        else:
+            assert str(back.get(keyword)) == value, keyword
+    volume = hd.seg.segread(path).get_volume(combine_segments=True, relabel=False).match_geometry(loaded.volume)
+    np.testing.assert_array_equal(volume.array, label_map)
+
+
+@pytest.mark.parametrize("keyword", ["FrameOfReferenceUID", "SOPClassUID"])
+def test_seg_without_what_it_must_refer_to_is_refused_naming_the_file(tmp_path, keyword):
+    loaded, label_map = _edited_study(tmp_path / "study", _set(**{keyword: None}))
+    first = Path(loaded.source_datasets[0].filename)
+    with pytest.raises(DicomInputError, match=f"{first.name}: {keyword} is missing; a DICOM SEG must refer"):
+        build_seg(label_map, loaded.source_datasets, {1: "spleen"}, Algorithm("a", "1"))
 
 
 def test_long_names_and_backslashes_become_valid_single_values(tmp_path):

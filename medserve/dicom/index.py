@@ -170,8 +170,10 @@ def index_folder(folder: Path | str) -> StudyIndex:
         if not study_uid or not series_uid:
             if _has_dicom_preamble(path):
                 # pydicom returns what it could read of a cut file; an object without its UIDs is damaged.
-                raise DicomInputError(f"{path}: corrupt or truncated DICOM file (StudyInstanceUID or "
-                                      f"SeriesInstanceUID missing)")
+                missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
+                                                       ("SeriesInstanceUID", series_uid)) if not v)
+                raise DicomInputError(f"{path}: corrupt or truncated DICOM file, or an incomplete object: {missing} "
+                                      "missing")
             _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
             continue
         if not uid_value(dataset, "SOPInstanceUID"):

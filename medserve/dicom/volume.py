@@ -178,9 +178,10 @@ def _check_slice_size(instance: Instance, shape: tuple[int, int], first: Instanc
             raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every slice")
         if int(size) <= 0:
             raise VolumeError(f"{instance.path}: {keyword} is {size}; expected at least 1")
-    if int(dataset.get("SamplesPerPixel", 1)) != 1:
-        raise VolumeError(f"{instance.path}: SamplesPerPixel is {dataset.SamplesPerPixel}; expected 1 "
-                          f"(greyscale CT/MR)")
+    samples = dataset.get("SamplesPerPixel", 1)
+    if samples in (None, "") or int(samples) != 1:
+        raise VolumeError(f"{instance.path}: SamplesPerPixel is {'empty' if samples in (None, '') else samples}; "
+                          "expected 1 (greyscale CT/MR)")
     if (dataset.Rows, dataset.Columns) != shape:
         raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
                           f"{shape[0]}x{shape[1]} of {first.path}: mixed sizes in one series")

@@ -11,6 +11,7 @@ omitted.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +25,10 @@ from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
 from pydicom.uid import generate_uid
+from pydicom.valuerep import DA, TM
 
 import medserve
+from medserve.errors import DicomInputError
 from medserve.writers.files import atomic_output
 from medserve.writers.labels import label_array
 
@@ -49,6 +52,7 @@ _CATEGORY_TYPE_GROUPS = (
 # resolves to that member.
 _SPELLINGS = {"tumour": "tumor", "oedema": "edema", "haemorrhage": "hemorrhage", "oesophagus": "esophagus",
               "faeces": "feces"}
+log = logging.getLogger("medserve.writers.seg")
 _TYPE2_COPIED_ATTRIBUTES = ("PatientID", "PatientName", "PatientBirthDate", "PatientSex", "AccessionNumber",
                             "StudyID", "StudyDate", "StudyTime")
 
@@ -171,7 +175,7 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         values = pixels = label_array(label_map, _frames_shape(source),
                                       fits="the source series (images, rows, columns)")
     numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
-    first = _with_type2_attributes(source[0])
+    first = _first_source(source)
     _cache_iod_attribute_lookup()
     segmentation = hd.seg.Segmentation(
         source_images=[first, *source[1:]],
@@ -223,18 +227,84 @@ def _frames_shape(source: list[Dataset]) -> tuple[int, int, int] | None:
     return len(source), int(source[0].Rows), int(source[0].Columns)
 
 
-def _with_type2_attributes(dataset: Dataset) -> Dataset:
-    """highdicom copies these patient/study attributes from the first source image and fails when one is
-    absent; DICOM makes them type 2 (present, may be empty), so an absent one is written empty."""
-    missing = [k for k in _TYPE2_COPIED_ATTRIBUTES if k not in dataset]
-    if not missing:
+def _first_source(source: list[Dataset]) -> Dataset:
+    """The first source image as highdicom may copy its patient and study attributes: a copy, so the caller's
+    header stays as it was, when one of them needs mending.
+
+    highdicom copies these attributes from the first image and validates them, so headers that PACS and
+    anonymisers write every day would fail the SEG after the whole inference had run:
+    - a type-2 attribute (present, may be empty) that is absent is written empty;
+    - a value DICOM does not allow there (PatientSex 'U', a date '1970-01-01', a time '09:30:00') is written
+      empty, with a warning; the SEG still references the source series;
+    - a SpecificCharacterSet highdicom refuses (empty, code extensions such as '\\ISO 2022 IR 87', the default
+      'ISO_IR 6' spelled out) becomes ISO_IR 192: the values are decoded text by now, and UTF-8 holds them all;
+    - an absent or empty SliceThickness (type 2 in CT and MR images) is taken as the spacing between the first
+      two images, as highdicom needs one for the SEG's pixel measures.
+    Frame of reference and SOP class are type 1: without them no SEG can refer to the source (DicomInputError).
+    """
+    dataset = source[0]
+    name = getattr(dataset, "filename", None) or "the first source image"
+    for keyword in ("FrameOfReferenceUID", "SOPClassUID", "SOPInstanceUID"):
+        if not dataset.get(keyword):
+            raise DicomInputError(f"{name}: {keyword} is missing; a DICOM SEG must refer to its source images by "
+                                  "it")
+    changes: dict[str, object] = {}
+    for keyword in _TYPE2_COPIED_ATTRIBUTES:
+        if keyword not in dataset:
+            changes[keyword] = None
+        elif not _allowed(keyword, dataset[keyword].value):
+            log.warning("%s: %s %r is not a valid DICOM value; the SEG has it empty", name, keyword,
+                        str(dataset[keyword].value))
+            changes[keyword] = None
+    declared = dataset.get("SpecificCharacterSet")
+    if declared is not None and not _highdicom_accepts_character_set(declared):
+        changes["SpecificCharacterSet"] = "ISO_IR 192"
+    if dataset.get("SliceThickness") in (None, "") and int(dataset.get("NumberOfFrames", 1) or 1) == 1:
+        changes["SliceThickness"] = _spacing_of_first_two(source)
+    if not changes:
         return dataset
-    patched = Dataset()  # a new element dict: the caller's header stays as it was
-    patched.update(dataset)
+    patched = Dataset()
+    for element in dataset:  # iterating decodes each value with the source's own character set
+        patched.add(element)
     patched.file_meta = dataset.file_meta
-    for keyword in missing:
-        setattr(patched, keyword, None)
+    for keyword, value in changes.items():
+        setattr(patched, keyword, value)
     return patched
+
+
+def _allowed(keyword: str, value: object) -> bool:
+    if value in (None, ""):
+        return True
+    try:
+        if keyword == "PatientSex":
+            return str(value) in ("M", "F", "O")
+        if keyword.endswith("Date"):
+            DA(str(value))
+        elif keyword.endswith("Time"):
+            TM(str(value))
+    except ValueError:
+        return False
+    return True
+
+
+def _highdicom_accepts_character_set(declared: object) -> bool:
+    """One defined term without code extensions, as highdicom's SEG constructor accepts it."""
+    values = [declared] if isinstance(declared, str) else list(declared)  # type: ignore[call-overload]
+    if len(values) != 1 or not values[0] or str(values[0]).startswith("ISO 2022"):
+        return False
+    try:
+        hd.enum.SpecificCharacterSetValues(str(values[0]))
+    except ValueError:
+        return False
+    return True
+
+
+def _spacing_of_first_two(source: list[Dataset]) -> float | None:
+    """The distance between the first two images' positions, in mm; None for a single image."""
+    if len(source) < 2 or "ImagePositionPatient" not in source[0] or "ImagePositionPatient" not in source[1]:
+        return None
+    step = np.asarray(source[1].ImagePositionPatient, float) - np.asarray(source[0].ImagePositionPatient, float)
+    return round(float(np.linalg.norm(step)), 6)
 
 
 def write_seg(segmentation: hd.seg.Segmentation, path: Path) -> Path:
