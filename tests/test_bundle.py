@@ -74,6 +74,20 @@ def test_model_zoo_configs_run_unchanged(zoo_bundle, name):
     assert predictor.predict(other).shape == other.array.shape
 
 
+@pytest.mark.parametrize("name", zoo_bundle_params(MODEL_ZOO))
+def test_the_chosen_device_reaches_the_zoo_bundles_inferer(zoo_bundle, name, monkeypatch):
+    """On a GPU host, --device cpu keeps all of a bundle on the CPU, also an inferer whose config picks a GPU
+    itself (wholeBody_ct_segmentation's sliding window would stitch its 105-channel output on cuda:0)."""
+    if name is None:
+        pytest.fail(f"{MODEL_ZOO} holds no bundle folders")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU host; nothing here runs on it
+    predictor = BundlePredictor.from_dir(zoo_bundle(name), device="cpu")
+    assert {p.device.type for p in predictor.network.parameters()} == {"cpu"}
+    for key in ("device", "sw_device"):
+        value = getattr(predictor.inferer, key, None)
+        assert value is None or torch.device(value).type == "cpu", (key, value)
+
+
 @pytest.mark.parametrize("orientation", ["axial", "sagittal", "coronal", "oblique", "feet_first_flipped"])
 @pytest.mark.parametrize("axcodes", ["RAS", "LPS"])
 def test_prediction_lands_on_the_source_voxels_for_any_orientation(tmp_path, orientation, axcodes):

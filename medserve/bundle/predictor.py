@@ -435,10 +435,25 @@ def _parse_config(layout: BundleLayout, device: torch.device) -> ConfigParser:
                               f"config defines network_def, preprocessing, inferer (and postprocessing)")
     parser["bundle_root"] = str(layout.root)
     parser["device"] = f"$torch.device('{device}')"
+    _inferer_on_the_device(parser)
     for section in ("preprocessing", "postprocessing"):
         if section in parser:
             _drop_transforms(parser, section, _FILE_IO_TRANSFORMS, layout)
     return parser
+
+
+def _inferer_on_the_device(parser: ConfigParser) -> None:
+    """An inferer `device`/`sw_device` that picks a GPU itself (wholeBody_ct_segmentation writes
+    "$torch.device('cuda:0' if torch.cuda.is_available() else 'cpu')") follows the chosen device instead: with
+    --device cpu on a GPU host, its sliding window would otherwise stitch the full-size output on cuda:0, and
+    --device cuda:1 would put it on cuda:0. A plain 'cpu' there (stitching kept off the GPU on purpose) stays."""
+    inferer = parser["inferer"]
+    if not isinstance(inferer, dict):
+        return
+    for key in ("device", "sw_device"):
+        value = inferer.get(key)
+        if isinstance(value, str) and "cuda" in value:
+            parser[f"inferer#{key}"] = "@device"
 
 
 def _transform_list(parser: ConfigParser, section: str, layout: BundleLayout) -> list[Any]:
