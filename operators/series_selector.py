@@ -14,7 +14,9 @@ from monai.deploy.core.domain.dicom_study import DICOMStudy
 from monai.deploy.operators.dicom_data_loader_operator import DICOMDataLoaderOperator
 
 from medserve.dicom.select import SelectedSeries, load_rules, select_series
+from medserve.dicom.index import Instance, Series
 from medserve.dicom.volume import ordered_instances
+from medserve.errors import VolumeError
 from operators.failures import reports_failures
 
 _DEFER_BYTES = 4096
@@ -68,7 +70,7 @@ def as_sdk_selection(selected: list[SelectedSeries]) -> list[StudySelectedSeries
     for choice in selected:
         series = choice.series
         # Stock operators read pixel_array from the datasets: defer it, so it comes from disk on access.
-        datasets = [pydicom.dcmread(i.path, defer_size=_DEFER_BYTES) for i in ordered_instances(series)]
+        datasets = [pydicom.dcmread(i.path, defer_size=_DEFER_BYTES) for i in _slice_order_if_any(series)]
         if series.study_uid not in studies:
             study = DICOMStudy(series.study_uid)
             populate.populate_study_attributes(None, study, datasets[0])
@@ -80,3 +82,13 @@ def as_sdk_selection(selected: list[SelectedSeries]) -> list[StudySelectedSeries
         studies[series.study_uid].study.add_series(sdk_series)
         studies[series.study_uid].add_selected_series(SdkSelectedSeries(choice.name, sdk_series, None))
     return list(studies.values())
+
+
+def _slice_order_if_any(series: Series) -> list[Instance]:
+    """Volume order when the series forms a volume; otherwise (a scout or a localizer that --all-matched picked up
+    as well) the index's order, as the stock loader would hand it on: the stock operators use only the first
+    series, and a series that is used as a volume is checked where it becomes one."""
+    try:
+        return ordered_instances(series)
+    except VolumeError:
+        return list(series.instances)

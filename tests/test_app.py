@@ -74,6 +74,30 @@ def test_pipeline_gives_the_same_pixels_as_the_app(demo_run, demo_study, tmp_pat
     assert result.segments["spleen"] > 0
 
 
+def test_sdk_selection_of_all_matches_keeps_a_scout_that_is_no_volume(tmp_path):
+    """--all-matched with --sort-by-sop-instance-count, the stock idiom to step past a scout: the SDK-typed
+    selection holds the volume first (in slice order) and the two-image localizer after it, not an error."""
+    from medserve.demo.study import write_ct_series
+    from operators.series_selector import as_sdk_selection
+
+    hu = np.random.default_rng(3).integers(-1000, 1000, size=(6, 20, 24)).astype(np.float32)
+    ct = write_ct_series(hu, tmp_path / "ct", file_order_seed=2)
+    scout = write_ct_series(hu[:2], tmp_path / "scout", study_uid=ct.study_uid, series_description="Topogram")
+    views = (["1", "0", "0", "0", "0", "-1"], ["0", "1", "0", "0", "0", "-1"])  # AP and lateral
+    for path, orientation in zip(sorted(scout.paths), views):
+        dataset = pydicom.dcmread(path)
+        dataset.ImageOrientationPatient, dataset.ImageType = orientation, ["ORIGINAL", "PRIMARY", "LOCALIZER"]
+        dataset.save_as(path)
+    rules = {"selections": [{"name": "ct", "conditions": {"Modality": "CT"}}]}
+    selected = select_series(index_folder(tmp_path), rules, all_matched=True, sort_by_sop_instance_count=True)
+    [study] = as_sdk_selection(selected)
+    volume, localizer = (s.series for s in study.selected_series)
+    assert volume.SeriesInstanceUID == ct.series_uid and localizer.SeriesInstanceUID == scout.series_uid
+    positions = [float(i.get_native_sop_instance().ImagePositionPatient[2]) for i in volume.get_sop_instances()]
+    assert positions == sorted(positions) or positions == sorted(positions, reverse=True)
+    assert len(localizer.get_sop_instances()) == 2
+
+
 def test_stock_sdk_operators_read_our_selection(tmp_path):
     """Interop: the stock series-to-volume operator consumes our selector's SDK-typed output unchanged, and our
     Image carries the stock metadata keys with the same values. Non-square pixels and unequal slice spacing, so
