@@ -18,6 +18,28 @@ log = logging.getLogger("medserve.server.commands")
 DEFAULT_URL = "http://127.0.0.1:8000"
 
 
+def _at_least(lowest: float, kind: type = float) -> Any:
+    """An argparse type: a number of `kind` no smaller than `lowest` (0 models or workers is a mistake, not a
+    way to say 'no limit')."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a{'n integer' if kind is int else ' number'}, not {text!r}") \
+                from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"expected at least {lowest}, not {text}")
+        return value
+    return parse
+
+
+def _positive(text: str) -> float:
+    value = _at_least(0.0)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected more than 0, not 0")
+    return value
+
+
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the model server on a bundle store")
     serve.add_argument("--store", type=Path, default=Path("bundles"), help="bundle store folder (default bundles/)")
@@ -26,20 +48,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--data-dir", type=Path, default=Path(".medserve"), help="jobs, uploads (default .medserve/)")
     serve.add_argument("--tokens", type=Path, help="bearer tokens file: one 'TOKEN SCOPE[,SCOPE]' per line")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback address without tokens")
-    serve.add_argument("--max-models", type=int, help="keep at most this many models loaded (LRU eviction)")
-    serve.add_argument("--max-memory-mb", type=float, help="keep loaded models under this many MB (LRU eviction)")
+    serve.add_argument("--max-models", type=_at_least(1, int), help="keep at most this many models loaded (LRU eviction)")
+    serve.add_argument("--max-memory-mb", type=_positive, help="keep loaded models under this many MB (LRU eviction)")
     serve.add_argument("--preload", action="append", default=[], metavar="NAME",
                        help="load this model at start; /readyz waits for it (repeatable; 'all' for every bundle)")
-    serve.add_argument("--concurrency", type=int, default=1, help="requests running at once per model")
-    serve.add_argument("--queue-size", type=int, default=16, help="requests waiting per model before 429")
-    serve.add_argument("--job-workers", type=int, default=1, help="threads running async jobs")
-    serve.add_argument("--job-max-attempts", type=int, default=2,
+    serve.add_argument("--concurrency", type=_at_least(1, int), default=1, help="requests running at once per model")
+    serve.add_argument("--queue-size", type=_at_least(0, int), default=16, help="requests waiting per model before 429")
+    serve.add_argument("--job-workers", type=_at_least(1, int), default=1, help="threads running async jobs")
+    serve.add_argument("--job-max-attempts", type=_at_least(1, int), default=2,
                        help="runs of a job a server crash may interrupt before it is failed (default 2)")
     serve.add_argument("--dicomweb", help="DICOMweb root of the DICOM store that {study, series} inputs refer to")
-    serve.add_argument("--max-upload-mb", type=float, default=4096, help="largest accepted upload (default 4096)")
-    serve.add_argument("--stable-seconds", type=float, default=2.0,
+    serve.add_argument("--max-upload-mb", type=_positive, default=4096, help="largest accepted upload (default 4096)")
+    serve.add_argument("--stable-seconds", type=_at_least(0, float), default=2.0,
                        help="a bundle folder must be unchanged this long before it is loaded (default 2)")
-    serve.add_argument("--poll-interval", type=float, default=1.0, help="store scan interval in seconds")
+    serve.add_argument("--poll-interval", type=_positive, default=1.0, help="store scan interval in seconds")
     serve.add_argument("--device", help="torch device for all models (default: the bundle's choice)")
     serve.set_defaults(handler=serve_command)
 
@@ -83,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         store=args.store, data_dir=args.data_dir, host=args.host, port=args.port, tokens_file=args.tokens,
         insecure=args.insecure, max_models=args.max_models,
-        max_memory_bytes=int(args.max_memory_mb * 1024**2) if args.max_memory_mb else None,
+        max_memory_bytes=int(args.max_memory_mb * 1024**2) if args.max_memory_mb is not None else None,
         preload=args.preload, concurrency=args.concurrency, queue_size=args.queue_size,
         job_workers=args.job_workers, job_max_attempts=args.job_max_attempts, dicomweb_url=args.dicomweb,
         max_upload_bytes=int(args.max_upload_mb * 1024**2), stable_seconds=args.stable_seconds,

@@ -44,40 +44,45 @@ def split_multipart(chunks: Iterable[bytes], boundary: bytes, open_part: Callabl
     keep = len(delim) + 4
     buf = b"\r\n"  # lets the first boundary (at the very start of the body) match `delim`
     state, out, parts = "preamble", None, 0
-    for chunk in chunks:
-        buf += chunk
-        while True:
-            if state in ("preamble", "body"):
-                index = buf.find(delim)
-                if index < 0:
-                    if len(buf) > keep:
-                        if state == "body":
-                            out.write(buf[:-keep])
-                        buf = buf[-keep:]
-                    break
-                if state == "body":
-                    out.write(buf[:index])
-                    out.close()
-                    parts += 1
-                buf, state = buf[index + len(delim):], "delimiter"
-            if state == "delimiter":
-                if len(buf) < 2:
-                    break
-                if buf[:2] == b"--":
-                    return parts
-                eol = buf.find(b"\r\n")
-                if eol < 0:
-                    break
-                buf, state = buf[eol + 2:], "headers"
-            if state == "headers":
-                if buf.startswith(b"\r\n"):
-                    buf = buf[2:]
-                else:
-                    end = buf.find(b"\r\n\r\n")
-                    if end < 0:
+    try:
+        for chunk in chunks:
+            buf += chunk
+            while True:
+                if state in ("preamble", "body"):
+                    index = buf.find(delim)
+                    if index < 0:
+                        if len(buf) > keep:
+                            if state == "body":
+                                out.write(buf[:-keep])
+                            buf = buf[-keep:]
                         break
-                    buf = buf[end + 4:]
-                out, state = open_part(), "body"
+                    if state == "body":
+                        out.write(buf[:index])
+                        out.close()
+                        parts += 1
+                    buf, state = buf[index + len(delim):], "delimiter"
+                if state == "delimiter":
+                    if len(buf) < 2:
+                        break
+                    if buf[:2] == b"--":
+                        return parts
+                    eol = buf.find(b"\r\n")
+                    if eol < 0:
+                        break
+                    buf, state = buf[eol + 2:], "headers"
+                if state == "headers":
+                    if buf.startswith(b"\r\n"):
+                        buf = buf[2:]
+                    else:
+                        end = buf.find(b"\r\n\r\n")
+                        if end < 0:
+                            break
+                        buf = buf[end + 4:]
+                    out, state = open_part(), "body"
+    except BaseException:  # the stream broke off: close the part being written
+        if out is not None:
+            out.close()
+        raise
     if state == "body" and out is not None:
         out.close()
         raise DicomWebError(502, "dicomweb_truncated", "the store's response ended in the middle of an instance",

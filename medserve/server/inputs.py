@@ -250,7 +250,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
     if content_type == "application/json":
         try:
             body = await limited(request, MAX_JSON_BYTES).json()
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
             raise ApiError(400, "bad_json", f"request body is not JSON: {error}") from error
         if not isinstance(body, dict):
             raise ApiError(400, "bad_json", "request body must be a JSON object")
@@ -291,9 +291,11 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
             raw.mkdir(exist_ok=True)
             saved: list[Path] = []
             for index, part in enumerate(parts):
-                target = raw / _part_name(part.filename, index)
-                if target.exists():  # two parts with the same name
-                    target = raw / f"{index:06d}-{target.name}"
+                name = _part_name(part.filename, index)
+                target, clash = raw / name, 0
+                while target.exists():  # parts with the same name (or one named like a renamed one)
+                    clash += 1
+                    target = raw / f"{index:06d}-{clash}-{name}"
                 await _save_upload(part, target)
                 saved.append(target)
         finally:

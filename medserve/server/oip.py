@@ -109,7 +109,7 @@ def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], bytes]:
         head, binary = body, b""
     try:
         request = json.loads(head)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
         raise OipError(400, "bad_request", f"inference request header is not JSON: {error}") from error
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or len(request["inputs"]) != 1:
         raise OipError(400, "bad_request", "expected exactly one input tensor in 'inputs'")
@@ -135,7 +135,8 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
     dtype = DTYPES[datatype]
     size = _parameters(spec, "inputs[0]").get("binary_data_size")
     if size is not None:
-        if size != math.prod(shape) * dtype.itemsize or len(binary) < size:
+        if (not isinstance(size, int) or isinstance(size, bool) or size != math.prod(shape) * dtype.itemsize
+                or len(binary) < size):
             raise OipError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype}")
         array = np.frombuffer(binary[:size], dtype=dtype)
     else:
@@ -149,7 +150,12 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
                 from error
         if array.size != math.prod(shape):
             raise OipError(400, "bad_request", f"{array.size} values given for shape {shape}")
-    return array.reshape(shape).astype(np.float32, copy=False)
+    with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
+        tensor = array.reshape(shape).astype(np.float32, copy=False)
+    if not np.isfinite(tensor).all():
+        raise OipError(400, "bad_request", f"inputs[0] holds NaN or infinite values (as FP32: {datatype} values "
+                       "beyond 3.4e38 overflow); the model takes finite numbers")
+    return tensor
 
 
 def _binary_output(req: dict[str, Any]) -> bool:
@@ -208,9 +214,14 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         app_state.metrics.requests.labels(name, "v2", "500").inc()
         log.exception("v2 inference failed")
         raise OipError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
+    try:
+        response = _response(name, app_state.store.entry(name).version, req, output, want_binary)
+    except OipError as error:
+        app_state.metrics.requests.labels(name, "v2", str(error.status)).inc()
+        raise
     app_state.metrics.requests.labels(name, "v2", "200").inc()
     app_state.metrics.latency.labels(name, "v2").observe(time.monotonic() - start)
-    return _response(name, app_state.store.entry(name).version, req, output, want_binary)
+    return response
 
 
 def _response(name: str, version: str | None, req: dict[str, Any], output: np.ndarray, want_binary: bool) -> Response:
@@ -219,6 +230,9 @@ def _response(name: str, version: str | None, req: dict[str, Any], output: np.nd
     if "id" in req:
         result["id"] = req["id"]
     if not want_binary:
+        if not np.isfinite(output).all():
+            raise OipError(500, "non_finite_output", f"model {name!r} gave NaN or infinite values, which JSON cannot "
+                           "carry; ask for the output in binary (parameters.binary_data_output)")
         tensor["data"] = output.reshape(-1).tolist()
         return JSONResponse(result)
     raw = np.ascontiguousarray(output, dtype="<f4").tobytes()

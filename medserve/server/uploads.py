@@ -44,29 +44,34 @@ WRITE_BATCH = 4 * 1024 * 1024
 class UploadInfo:
     id: str
     length: int
-    metadata: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)  # decoded (a value that is not UTF-8: its base64)
     created: float = 0.0
     expires: float = 0.0
+    metadata_header: str = ""  # Upload-Metadata as the client sent it (pairs re-joined), echoed by HEAD
 
 
 def _http_date(ts: float) -> str:
     return time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(ts))
 
 
-def parse_metadata(header: str) -> dict[str, str]:
-    """`key base64value,key2 base64value2` -> dict; values that are not UTF-8 are kept as base64."""
+def parse_metadata(header: str) -> tuple[dict[str, str], str]:
+    """`key base64value,key2 base64value2,key3` -> (decoded values, the header re-joined for HEAD). A value
+    that is not UTF-8 is kept as its base64; a key may come without a value (tus 1.0.0)."""
     out: dict[str, str] = {}
+    pairs: list[str] = []
     for item in filter(None, (part.strip() for part in header.split(","))):
         key, _, value = item.partition(" ")
+        value = value.strip()
         try:
-            raw = base64.b64decode(value.strip(), validate=True) if value else b""
+            raw = base64.b64decode(value, validate=True) if value else b""
         except binascii.Error as error:
             raise ApiError(400, "bad_metadata", f"Upload-Metadata value for {key!r} is not base64") from error
         try:
             out[key] = raw.decode()
         except UnicodeDecodeError:
-            out[key] = value.strip()
-    return out
+            out[key] = value
+        pairs.append(f"{key} {value}" if value else key)
+    return out, ",".join(pairs)
 
 
 class UploadStore:
@@ -84,9 +89,11 @@ class UploadStore:
             raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}")
         return self.root / f"{upload_id}.bin", self.root / f"{upload_id}.json"
 
-    def create(self, length: int, metadata: dict[str, str]) -> UploadInfo:
+    def create(self, length: int, metadata_header: str = "") -> UploadInfo:
+        """A new, empty upload; `metadata_header` is the client's Upload-Metadata (400 bad_metadata if broken)."""
+        metadata, normalized = parse_metadata(metadata_header)
         now = time.time()
-        info = UploadInfo(uuid.uuid4().hex, length, metadata, now, now + self.expiry_seconds)
+        info = UploadInfo(uuid.uuid4().hex, length, metadata, now, now + self.expiry_seconds, normalized)
         data, meta = self._paths(info.id)
         data.touch()
         tmp = meta.with_suffix(".json.tmp")
@@ -200,7 +207,7 @@ async def create(request: Request) -> Response:
     if length > store.max_bytes:
         raise ApiError(413, "upload_too_large", f"Upload-Length {length} exceeds the limit of {store.max_bytes}",
                        {"Tus-Max-Size": str(store.max_bytes), "Tus-Resumable": TUS_VERSION})
-    info = store.create(length, parse_metadata(request.headers.get("upload-metadata", "")))
+    info = store.create(length, request.headers.get("upload-metadata", ""))
     log.info("upload %s created (%d bytes, %s)", info.id, length, info.metadata.get("filename"))
     location = str(request.url_for("upload_head", upload_id=info.id))
     return Response(status_code=201, headers=_tus_headers(
@@ -214,9 +221,8 @@ async def head(request: Request, upload_id: str) -> Response:
     info = store.info(upload_id)
     headers = _tus_headers(**{"Upload-Offset": str(store.offset(upload_id)), "Upload-Length": str(info.length),
                               "Upload-Expires": _http_date(info.expires)})
-    if info.metadata:
-        headers["Upload-Metadata"] = ",".join(
-            f"{k} {base64.b64encode(v.encode()).decode()}" for k, v in info.metadata.items())
+    if info.metadata_header:
+        headers["Upload-Metadata"] = info.metadata_header
     return Response(status_code=200, headers=headers)
 
 

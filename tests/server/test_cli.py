@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pydicom
+import pytest
 from tusclient import client as tus
 from tusclient.storage.filestorage import FileStorage
 
@@ -65,6 +66,18 @@ def test_serve_refuses_public_address_without_tokens(tmp_path: Path) -> None:
                            str(tmp_path), "--data-dir", str(tmp_path / "d")], capture_output=True, text=True,
                           timeout=120, env={k: v for k, v in os.environ.items() if k != "MEDSERVE_TOKENS"})
     assert proc.returncode == 2 and "--insecure" in proc.stderr
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), [
+    ("--max-memory-mb", "0", "argument --max-memory-mb: expected more than 0, not 0"),
+    ("--max-models", "0", "argument --max-models: expected at least 1, not 0"),
+    ("--concurrency", "two", "argument --concurrency: expected an integer, not 'two'"),
+    ("--poll-interval", "-1", "argument --poll-interval: expected at least 0.0, not -1"),
+])
+def test_serve_refuses_limits_that_cannot_be_meant(tmp_path: Path, flag: str, value: str, expected: str) -> None:
+    """0 (or less) would otherwise have read as 'no limit' (--max-memory-mb 0) or have stalled the server."""
+    proc = _cli("serve", "--store", str(tmp_path), flag, value, env=dict(os.environ))
+    assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
 
 
 def test_tokens_and_scopes(make_server, tmp_path: Path) -> None:

@@ -330,3 +330,41 @@ def test_every_error_has_the_json_shape(thr_server) -> None:
         assert set(response.json()) == {"error", "message"}
     assert "limit" in httpx.get(url + "/v1/jobs?limit=abc").json()["message"]
     assert "/v1/nothing" in httpx.get(url + "/v1/nothing").json()["message"]
+
+
+def test_deep_json_and_clashing_part_names_are_handled(thr_server, tmp_path: Path) -> None:
+    """JSON nested deeper than the parser goes is 400 bad_json, not a bare 500; multipart parts whose names
+    clash (twice the same name, and one named like the renamed copy) are all kept."""
+    deep = "[" * 100_000 + "]" * 100_000
+    for path in ("/v1/models/thr/infer", "/v1/jobs?model=thr"):
+        r = httpx.post(thr_server.url + path, content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"] == "bad_json", (path, r.text)
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    names = ["a.dcm", "000002-a.dcm", "a.dcm", "b.dcm"]  # the second is named as the third's renamed copy was
+    slices = sorted(study.iterdir())
+    files = [("files", (name, path.read_bytes(), "application/dicom")) for name, path in zip(names, slices)]
+    r = httpx.post(thr_server.url + "/v1/models/thr/infer", files=files, timeout=120)
+    assert r.status_code == 200, r.text  # a lost slice would be a 422 (a series with a missing slice)
+
+
+def test_a_retrieve_that_breaks_off_closes_the_instance_being_written(tmp_path: Path) -> None:
+    """WADO-RS parts are streamed to files; when the stream breaks off mid-instance (the store drops the
+    connection) the file being written is closed, not left open for the garbage collector."""
+    import httpx as http
+
+    from medserve.server.dicomweb import split_multipart
+
+    opened: list = []
+
+    def open_part():  # noqa: ANN202
+        opened.append(open(tmp_path / f"{len(opened)}.dcm", "wb"))
+        return opened[-1]
+
+    def chunks():  # noqa: ANN202
+        yield b"--b\r\nContent-Type: application/dicom\r\n\r\n" + b"x" * 100 + b"\r\n--b\r\n\r\n" + b"y" * 50
+        raise http.ReadError("connection reset by the store")
+
+    with pytest.raises(http.ReadError):
+        split_multipart(chunks(), b"b", open_part)
+    assert len(opened) == 2 and all(handle.closed for handle in opened)
+    assert (tmp_path / "0.dcm").read_bytes() == b"x" * 100

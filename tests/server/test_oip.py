@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -59,9 +60,17 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
             ({"inputs": [tensor], "parameters": [1]}, "request.parameters"),
             ({"inputs": [tensor], "outputs": ["x"]}, "'outputs'"),
             ({"inputs": [tensor], "outputs": [{"name": "OUTPUT", "parameters": 3}]}, "outputs[0].parameters"),
-            ({"inputs": [{**tensor, "shape": [1, 3, 2, 2, 2], "data": [0.0] * 24}]}, "3 channel(s)")):
-        r = httpx.post(url, json=request)
+            ({"inputs": [{**tensor, "shape": [1, 3, 2, 2, 2], "data": [0.0] * 24}]}, "3 channel(s)"),
+            ({"inputs": [{**tensor, "data": [0.0] * 7 + [float("nan")]}]}, "NaN or infinite"),
+            ({"inputs": [{**tensor, "datatype": "FP64", "data": [1e40] * 8}]}, "NaN or infinite")):
+        r = httpx.post(url, content=json.dumps(request), headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and expected in r.json()["error"], (request, r.text)
+    binary = {"inputs": [{**tensor, "data": None, "parameters": {"binary_data_size": 32.0}}]}
+    head = json.dumps(binary).encode()
+    r = httpx.post(url, content=head + bytes(32), headers={"Inference-Header-Content-Length": str(len(head))})
+    assert r.status_code == 400 and "binary_data_size 32.0" in r.json()["error"], r.text
+    r = httpx.post(url, content="[" * 100_000 + "]" * 100_000, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "not JSON" in r.json()["error"], r.text
     metrics = httpx.get(thr_server.url + "/metrics").text
     assert 'medserve_requests_total{endpoint="v2",model="thr",status="200"}' not in metrics  # nothing ran
 
@@ -97,3 +106,27 @@ def test_a_failing_network_is_a_4xx_or_503_naming_bundle_and_shape(thr_server, e
                                         "tensor of shape [1, 1, 2, 2, 2]: "), r.text
     metrics = httpx.get(thr_server.url + "/metrics").text
     assert f'medserve_requests_total{{endpoint="v2",model="thr",status="{status}"}} 1.0' in metrics
+
+
+class NaNs(torch.nn.Module):
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return torch.full((batch.shape[0], 2, *batch.shape[2:]), float("nan"))
+
+
+def test_a_non_finite_output_is_an_error_in_json_and_sent_in_binary(thr_server) -> None:
+    """JSON cannot carry NaN: the JSON answer is a 500 saying so (and counted as one), the binary answer
+    carries the values."""
+    predictor = thr_server.store.predictor("thr")
+    network, predictor.network = predictor.network, NaNs()
+    tensor = {"name": "INPUT", "datatype": "FP32", "shape": [1, 1, 2, 2, 2], "data": [0.0] * 8}
+    url = thr_server.url + "/v2/models/thr/infer"
+    try:
+        as_json = httpx.post(url, json={"inputs": [tensor]})
+        as_binary = httpx.post(url, json={"inputs": [tensor], "parameters": {"binary_data_output": True}})
+    finally:
+        predictor.network = network
+    assert as_json.status_code == 500 and "NaN or infinite" in as_json.json()["error"], as_json.text
+    split = int(as_binary.headers["Inference-Header-Content-Length"])
+    assert as_binary.status_code == 200 and np.isnan(np.frombuffer(as_binary.content[split:], "<f4")).all()
+    metrics = httpx.get(thr_server.url + "/metrics").text
+    assert 'medserve_requests_total{endpoint="v2",model="thr",status="500"} 1.0' in metrics

@@ -98,6 +98,19 @@ def _patch(url: str, data: bytes, offset: int, **headers: str) -> httpx.Response
                                                    "Content-Type": "application/offset+octet-stream", **headers})
 
 
+def test_metadata_comes_back_as_sent(make_server) -> None:
+    """HEAD echoes Upload-Metadata: a key without a value (tus 1.0.0 allows it) and a value that is not UTF-8
+    come back as the client sent them; the JSON view shows text where there is text."""
+    server = make_server()
+    sent = "filename " + base64.b64encode("étude.zip".encode()).decode() + ",is_confidential,raw //4="
+    r = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Upload-Length": "4", "Upload-Metadata": sent})
+    assert r.status_code == 201, r.text
+    head = httpx.head(r.headers["Location"], headers=TUS)
+    assert head.status_code == 200 and head.headers["Upload-Metadata"] == sent
+    assert httpx.get(r.headers["Location"]).json()["metadata"] == {"filename": "étude.zip", "is_confidential": "",
+                                                                   "raw": "//4="}
+
+
 def test_protocol_errors(make_server) -> None:
     server = make_server(max_upload_bytes=1000)
     url = _create(server, 10)
@@ -174,7 +187,7 @@ def test_a_patch_running_past_the_expiry_keeps_the_upload(make_server) -> None:
 
 def test_an_upload_being_written_is_not_handed_to_inference(tmp_path: Path) -> None:
     store = UploadStore(tmp_path, max_bytes=1024, expiry_seconds=60)
-    info = store.create(4, {})
+    info = store.create(4)
     store._paths(info.id)[0].write_bytes(b"DICM")  # complete, but a PATCH may still roll its last bytes back
 
     async def while_patching() -> None:
