@@ -87,7 +87,11 @@ def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seg_path = write_seg(segmentation_of(source, label_map, predictor), out / SEG_NAME)
-    nifti_path = write_nifti(label_map, source.volume, out / NIFTI_NAME) if nifti else None
+    try:
+        nifti_path = write_nifti(label_map, source.volume, out / NIFTI_NAME) if nifti else None
+    except BaseException:  # all or nothing: a SEG alone would pass for the whole result
+        seg_path.unlink(missing_ok=True)
+        raise
     lap("write")
     result = StudyResult(seg_path=seg_path, nifti_path=nifti_path, study_uid=selected.study_uid,
                          series_uid=selected.series_uid, segments=segment_counts(label_map, predictor.labels),

@@ -65,6 +65,23 @@ def test_holoscan_environment_variables_work_like_the_flags(demo_run, demo_study
     assert env.PixelData == flags.PixelData
 
 
+def test_pipeline_leaves_no_seg_alone_when_the_nifti_fails(tmp_path):
+    """run_study writes both results or neither: a SEG without its NIfTI would pass for a whole result."""
+    from medserve.demo.study import write_ct_series
+    from medserve.errors import OutputError
+    from tests.conftest import make_threshold_bundle
+
+    hu = np.full((4, 12, 12), -50.0, np.float32)
+    hu[1:3, 3:9, 3:9] = 300
+    write_ct_series(hu, tmp_path / "study")
+    predictor = BundlePredictor.from_dir(make_threshold_bundle(tmp_path / "thr"), device="cpu")
+    out = tmp_path / "out"
+    (out / "labels.nii.gz").mkdir(parents=True)  # the NIfTI cannot be written there
+    with pytest.raises(OutputError, match="labels.nii.gz"):
+        run_study(tmp_path / "study", predictor, out)
+    assert sorted(p.name for p in out.iterdir()) == ["labels.nii.gz"]  # no seg.dcm
+
+
 def test_pipeline_gives_the_same_pixels_as_the_app(demo_run, demo_study, tmp_path):
     """One core: the in-process pipeline (what the server runs) and the Holoscan app agree bit for bit."""
     result = run_study(demo_study[0], BundlePredictor.from_dir(DEMO_BUNDLE, device="cpu"), tmp_path)
