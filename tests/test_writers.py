@@ -134,8 +134,10 @@ def test_seg_survives_headers_seen_in_the_wild(tmp_path, edit, expected):
     """Values PACS and anonymisers write every day but highdicom refuses to copy: the SEG is written (values
     DICOM does not allow are left empty, the character set becomes UTF-8) and reads back to the label map."""
     loaded, label_map = _edited_study(tmp_path / "study", edit)
+    before = [(element.keyword, element.value) for element in loaded.source_datasets[0]]
     path = write_seg(build_seg(label_map, loaded.source_datasets, {1: "spleen", 2: "liver"}, Algorithm("a", "1")),
                      tmp_path / "seg.dcm")
+    assert [(element.keyword, element.value) for element in loaded.source_datasets[0]] == before  # caller's header
     assert dciodvfy_errors(path) == []
     back = pydicom.dcmread(path)
     for keyword, value in expected.items():

@@ -240,7 +240,8 @@ def _first_source(source: list[Dataset]) -> Dataset:
       'ISO_IR 6' spelled out) becomes ISO_IR 192: the values are decoded text by now, and UTF-8 holds them all;
     - an absent or empty SliceThickness (type 2 in CT and MR images) is taken as the spacing between the first
       two images, as highdicom needs one for the SEG's pixel measures.
-    Frame of reference and SOP class are type 1: without them no SEG can refer to the source (DicomInputError).
+    Frame of reference, SOP class and instance UIDs are type 1: without them no SEG can refer to the source
+    (DicomInputError).
     """
     dataset = source[0]
     name = getattr(dataset, "filename", None) or "the first source image"
@@ -259,8 +260,9 @@ def _first_source(source: list[Dataset]) -> Dataset:
     declared = dataset.get("SpecificCharacterSet")
     if declared is not None and not _highdicom_accepts_character_set(declared):
         changes["SpecificCharacterSet"] = "ISO_IR 192"
-    if dataset.get("SliceThickness") in (None, "") and int(dataset.get("NumberOfFrames", 1) or 1) == 1:
-        changes["SliceThickness"] = _spacing_of_first_two(source)
+    spacing = _spacing_of_first_two(source)
+    if dataset.get("SliceThickness") in (None, "") and spacing is not None:
+        changes["SliceThickness"] = spacing
     if not changes:
         return dataset
     patched = Dataset()
@@ -268,6 +270,8 @@ def _first_source(source: list[Dataset]) -> Dataset:
         patched.add(element)
     patched.file_meta = dataset.file_meta
     for keyword, value in changes.items():
+        if keyword in patched:  # the copy shares the element objects: replace them, never set their values
+            del patched[keyword]
         setattr(patched, keyword, value)
     return patched
 
@@ -300,8 +304,10 @@ def _highdicom_accepts_character_set(declared: object) -> bool:
 
 
 def _spacing_of_first_two(source: list[Dataset]) -> float | None:
-    """The distance between the first two images' positions, in mm; None for a single image."""
-    if len(source) < 2 or "ImagePositionPatient" not in source[0] or "ImagePositionPatient" not in source[1]:
+    """The distance between the first two single-frame images' positions (the source comes in slice order), in
+    mm; None for a single image or multi-frame ones."""
+    if len(source) < 2 or any("ImagePositionPatient" not in d or int(d.get("NumberOfFrames", 1) or 1) != 1
+                              for d in source[:2]):
         return None
     step = np.asarray(source[1].ImagePositionPatient, float) - np.asarray(source[0].ImagePositionPatient, float)
     return round(float(np.linalg.norm(step)), 6)
