@@ -96,9 +96,11 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     if not path.is_file():
         raise PackagingError(f"application config not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
         raise PackagingError(f"{path}: not valid YAML: {error}") from error
+    except (UnicodeDecodeError, OSError) as error:
+        raise PackagingError(f"{path}: cannot be read as text ({error}); expected a UTF-8 YAML file") from error
     if not isinstance(data, dict):
         raise PackagingError(f"{path}: expected a mapping with 'application' and 'resources'")
     application = data.get("application")

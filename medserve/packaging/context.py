@@ -58,7 +58,11 @@ def app_requirements(app: AppSource, config: AppConfig) -> list[str]:
     lines: list[str] = []
     path = app.directory / "requirements.txt"
     if path.is_file():
-        lines += [line.strip() for line in path.read_text().splitlines()]
+        try:
+            lines += [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+        except (UnicodeDecodeError, OSError) as error:
+            raise PackagingError(f"{path}: cannot be read as text ({error}); expected a UTF-8 requirements "
+                                 "file") from error
     lines += config.pip_packages or []
     lines = [line for line in lines if line and not line.startswith("#")]
     for pin in sdk_pins(lines):
@@ -95,15 +99,53 @@ def ignored(directory: str, names: list[str]) -> set[str]:
 
 
 def _copy_tree(source: Path, target: Path, what: str) -> None:
-    """copytree with the official ignore patterns; an unreadable entry (a dangling symlink) is a PackagingError."""
+    """copytree with the official ignore patterns; an unreadable entry (a dangling symlink) or a symlink loop is
+    a PackagingError. The copy is made readable by all: the image runs as another user (the holoscan user, or
+    the host's UID with `medserve run`), so a file only its owner may read (umask 077) would fail only then.
+    (The official packager has the same gap.)"""
     try:
         shutil.copytree(source, target, ignore=ignored)
     except shutil.Error as error:
         bad, _, reason = error.args[0][0]
+        loop = _loop_link(source, Path(bad))
+        if loop is not None:
+            raise PackagingError(f"{what} {source}: {loop} is a symlink back up the tree it is in (a loop); "
+                                 "expected a tree of files (remove the link)") from error
         if os.path.islink(bad) and not os.path.exists(bad):
             reason = f"a symlink to {os.readlink(bad)}, which does not exist"
         raise PackagingError(f"{what} {source}: cannot copy {bad}: {reason}; expected readable files "
                              "(remove or fix it)") from error
+    except RecursionError as error:
+        raise PackagingError(f"{what} {source}: a symlink in it leads back up the tree it is in (a loop); "
+                             "expected a tree of files (remove the link)") from error
+    _readable_by_all(target)
+
+
+def _loop_link(source: Path, bad: Path) -> Path | None:
+    """The first symlink on the way from `source` to `bad` that points to a folder holding it (copytree follows
+    it until the path is too long)."""
+    try:
+        parts = bad.relative_to(source).parts
+    except ValueError:
+        return None
+    path = source
+    for part in parts:
+        path = path / part
+        if path.is_symlink() and Path(os.path.realpath(path.parent)).is_relative_to(os.path.realpath(path)):
+            return path
+    return None
+
+
+def _readable_by_all(path: Path) -> None:
+    """Add read (and, for folders, search) permission for everyone to `path` and everything under it."""
+    if path.is_file():
+        os.chmod(path, path.stat().st_mode | 0o444)
+        return
+    for folder, _, files in os.walk(path):
+        os.chmod(folder, os.stat(folder).st_mode | 0o555)
+        for name in files:
+            file = os.path.join(folder, name)
+            os.chmod(file, os.stat(file).st_mode | 0o444)
 
 
 def host_ca_bundle() -> Path | None:
@@ -199,6 +241,7 @@ def write_context(inputs: BuildInputs, directory: Path) -> Path:
         if source.is_file():
             (models / name).mkdir()
             shutil.copy2(source, models / name / source.name)
+            _readable_by_all(models / name / source.name)
         else:
             _copy_tree(source, models / name, "model")
     if inputs.docs is not None:

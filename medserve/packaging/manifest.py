@@ -89,6 +89,9 @@ def scan_models(path: Path) -> dict[str, Path]:
         return {path.stem: path}
     if _is_bundle(path):
         return {path.resolve().name: _checked_bundle(path)}
+    if not path.is_dir():
+        raise PackagingError(f"models path {path} is neither a file nor a folder; expected a bundle folder, a "
+                             "folder of bundles or a model file")
     models: dict[str, Path] = {}
     for entry in sorted(os.listdir(path)):
         if (path / entry).is_file():

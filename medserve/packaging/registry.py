@@ -71,6 +71,11 @@ def _tls_args(host: str) -> list[str]:
     return ["--tls-verify=false"] if engine.is_loopback(host) else []
 
 
+def check_destination(reference: str) -> None:
+    """Refuse a push destination that names no registry (PackagingError), e.g. before a build that would push."""
+    _destination(reference)
+
+
 def _destination(reference: str) -> tuple[str, str]:
     reference = reference.removeprefix("docker://")
     host = engine.registry_host(reference)

@@ -186,20 +186,20 @@ def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | tuple[int, ...
     return [arg for i in devices for arg in ("--device", f"nvidia.com/gpu={i}")]
 
 
-def shared_memory_bytes(pkg: dict[str, Any]) -> int | None:
-    """/dev/shm size in bytes when pkg.json's resources ask for one, read as `monai-deploy run --shm-size config`
-    reads it (its units: Mi/MiB and Gi/GiB binary, MB/m and GB/g decimal; the largest of the app's and its
-    fragments' values), so that docker and podman, which read "m" and "g" as binary, size it the same."""
-    resources = pkg.get("resources") or {}
-    fragments = resources.get("fragments") or {}
-    if not resources.get("sharedMemory") and not any("sharedMemory" in f for f in fragments.values()):
-        return None
+def shared_memory_bytes(pkg: dict[str, Any]) -> int:
+    """/dev/shm size in bytes, read from pkg.json as `monai-deploy run --shm-size config` reads it: its units
+    (Mi/MiB and Gi/GiB binary, MB/m and GB/g decimal), the largest of the app's and its fragments' values, and
+    its default (1 GiB) when resources name none; docker and podman would read "m"/"g" as binary, and give
+    64 MB without the flag."""
     from holoscan_cli.common.exceptions import InvalidSharedMemoryValueError
     from holoscan_cli.runner.resources import get_shared_memory_size
 
+    resources = pkg.get("resources")
+    if isinstance(resources, dict):  # holoscan-cli expects a mapping of fragments, not null
+        pkg = {**pkg, "resources": {**resources, "fragments": resources.get("fragments") or {}}}
     try:
         return int(get_shared_memory_size(pkg, False, False, None, "config"))
-    except (InvalidSharedMemoryValueError, TypeError) as error:
+    except (InvalidSharedMemoryValueError, TypeError, AttributeError) as error:
         raise PackagingError(f"pkg.json resources.sharedMemory: {error}Expected a size such as 1Gi, 512Mi or 2GB") \
             from error
 
@@ -219,9 +219,7 @@ def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str,
     argv += ["--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}", "-w", working_dir]
     for limit in ulimits(tool):
         argv += ["--ulimit", limit]
-    shared = shared_memory_bytes(pkg)
-    if shared is not None:
-        argv += ["--shm-size", str(shared)]
+    argv += ["--shm-size", str(shared_memory_bytes(pkg))]
     if request.input is not None:
         argv += ["-v", f"{request.input.resolve()}:{mapped_input}:ro"]
     if request.output is not None:
@@ -257,6 +255,10 @@ def prepare(request: RunRequest) -> list[str]:
         raise PackagingError(f"input folder not found: {request.input}")
     if request.config is not None and not request.config.is_file():
         raise PackagingError(f"--config {request.config}: not a file")
+    for flag, path in (("-i", request.input), ("-o", request.output), ("--config", request.config)):
+        if path is not None and ":" in str(path.resolve()):
+            raise PackagingError(f"{flag} {path}: the engines' -v SOURCE:TARGET cannot mount a path holding ':'; "
+                                 "rename it, or copy it to a path without one")
     if request.output is not None:
         _check_output(request.output)
     wanted_gpus(request.gpus)

@@ -389,3 +389,51 @@ def test_base_image_help_builds_nothing(capsys) -> None:
     with pytest.raises(SystemExit) as exited:
         base.main(["--help"])
     assert exited.value.code == 0 and "image tag" in capsys.readouterr().out
+
+
+def test_files_only_their_owner_may_read_are_readable_in_the_image(tmp_path: Path) -> None:
+    """The image runs as another user than the one who wrote the app and the bundle (umask 077): the build
+    context, which COPY keeps the modes of, has them readable by all."""
+    app, bundle = make_app(tmp_path), make_bundle(tmp_path / "models")
+    for path in [*app.rglob("*"), *bundle.rglob("*")]:
+        path.chmod(0o700 if path.is_dir() else 0o600)
+    bundle.chmod(0o700)
+    inputs = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", models=bundle))
+    write_context(inputs, tmp_path / "context")
+    for path in [*(tmp_path / "context" / "app").rglob("*"), *(tmp_path / "context" / "models").rglob("*")]:
+        wanted = 0o555 if path.is_dir() else 0o444
+        assert path.stat().st_mode & wanted == wanted, (path, oct(path.stat().st_mode))
+
+
+@pytest.mark.parametrize("case", ["latin-1 app.yaml", "latin-1 requirements", "symlink loop", "models not a folder",
+                                  "push without registry"])
+def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before any build, in one line naming the file; --push's destination is checked before the build
+    (a cold build is minutes), not after it."""
+    from medserve.cli import main as cli_main
+    from medserve.packaging import build, engine
+
+    app, config = make_app(tmp_path), write(tmp_path, GOOD)
+    args = ["package", str(app), "-c", str(config), "-t", "x:1"]
+    expected = {"latin-1 app.yaml": f"{config}: cannot be read as text",
+                "latin-1 requirements": f"{app / 'requirements.txt'}: cannot be read as text",
+                "symlink loop": f"{app / 'up'} is a symlink back up the tree it is in (a loop)",
+                "models not a folder": "models path /dev/null is neither a file nor a folder",
+                "push without registry": "push destination 'bundle-seg:0.1.0' must name a registry"}[case]
+    if case == "latin-1 app.yaml":
+        config.write_bytes(config.read_bytes() + "# Résumé\n".encode("latin-1"))
+    elif case == "latin-1 requirements":
+        (app / "requirements.txt").write_bytes((app / "requirements.txt").read_bytes() + "# Résumé\n".encode("latin-1"))
+    elif case == "symlink loop":
+        (app / "up").symlink_to(app, target_is_directory=True)
+    elif case == "models not a folder":
+        args += ["-m", "/dev/null"]
+    else:
+        args += ["--push", "bundle-seg:0.1.0"]
+        monkeypatch.setattr(build, "package", lambda *a, **k: pytest.fail("built before the destination was checked"))
+    monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "buildah")  # nothing gets as far as a build
+    monkeypatch.setattr(engine, "run_build", lambda *a, **k: pytest.fail("a build was started"), raising=False)
+    code = cli_main(args)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err

@@ -102,15 +102,17 @@ def test_gpu_device_lists(monkeypatch: pytest.MonkeyPatch) -> None:
         run_argv(RunRequest("img:1", None, None, gpus="1,4,7"), "docker", APP_JSON, PKG_JSON)
 
 
-@pytest.mark.parametrize(("resources", "size"), [({}, None), ({"sharedMemory": "1.5Gi"}, "1610612736"),
+@pytest.mark.parametrize(("resources", "size"), [({}, "1073741824"), ({"sharedMemory": "1.5Gi"}, "1610612736"),
+                                                ({"sharedMemory": "1Gi", "fragments": None}, "1073741824"),
                                                 ({"sharedMemory": "512MB"}, "512000000"),
                                                 ({"sharedMemory": "1g", "fragments": {"f": {"sharedMemory": "2Gi"}}},
                                                  "2147483648")])
-def test_shared_memory_in_bytes_as_monai_deploy_reads_it(resources: dict, size: str | None) -> None:
+def test_shared_memory_in_bytes_as_monai_deploy_reads_it(resources: dict, size: str) -> None:
     """pkg.json's sharedMemory becomes --shm-size in bytes with holoscan-cli's units (MB decimal, Mi binary),
-    which the engines' own "m"/"g" (binary) would not keep."""
+    which the engines' own "m"/"g" (binary) would not keep; none named is holoscan-cli's 1 GiB, not the
+    engines' 64 MB."""
     argv = run_argv(RunRequest("img:1", None, None), "podman", APP_JSON, {"resources": {"cpu": 1, **resources}})
-    assert (argv[argv.index("--shm-size") + 1] if "--shm-size" in argv else None) == size
+    assert argv[argv.index("--shm-size") + 1] == size
 
 
 def test_unreadable_shared_memory_is_one_error_naming_the_field() -> None:
@@ -159,3 +161,16 @@ def test_credentials_go_only_to_their_registry() -> None:
     assert ghcr is not None and (ghcr.username, ghcr.source) == ("octo", "GHCR_USER/GHCR_TOKEN")
     corp = registry.credentials_from_env("registry.corp:5000", both)
     assert corp is not None and corp.username == "corp"
+
+
+def test_a_path_with_a_colon_is_refused_before_the_engine(no_engine_calls: list, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    """-v SOURCE:TARGET[:ro] cannot carry a ':' in SOURCE; the engine's own message ('incorrect volume format')
+    would not say which path."""
+    study = tmp_path / "study:1"
+    study.mkdir()
+    assert cli_main(["run", "img:1", "-i", str(study), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: -i {study}: the engines' -v SOURCE:TARGET cannot mount a path holding ':'; rename it, " \
+                  "or copy it to a path without one\n"
+    assert no_engine_calls == [] and not (tmp_path / "out").exists()
