@@ -164,9 +164,16 @@ def host_pip_indexes() -> PipIndexes:
     the [install], then the [global] section of pip's configuration files), read with `pip config list`.
     Only http(s) indexes are kept: file:// ones and find-links are folders of this machine, not of the build."""
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
-                            check=False).stdout
+                            check=False)
     settings: dict[tuple[str, str], str] = {}
-    for line in listed.splitlines():
+    if listed.returncode != 0:  # no pip in this environment (a uv venv, say): the PIP_* variables still count
+        logger.warning("cannot read pip's configuration (%s); the build uses only the PIP_* variables",
+                       (listed.stderr.strip().splitlines() or ["pip config list failed"])[-1])
+        for name in ("index-url", "extra-index-url", "trusted-host"):
+            value = os.environ.get("PIP_" + name.upper().replace("-", "_"))
+            if value is not None:
+                settings[(":env:", name)] = value
+    for line in listed.stdout.splitlines():
         key, separator, quoted = line.partition("=")
         section, _, name = key.rpartition(".")
         if separator:

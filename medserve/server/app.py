@@ -25,7 +25,7 @@ from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
                                     validation_error_handler)
-from medserve.server.inputs import InputSpec, parse_input
+from medserve.server.inputs import MAX_JSON_BYTES, InputSpec, limited, parse_input
 from medserve.server.jobs import STATES, JobQueue
 from medserve.server.metrics import Metrics
 from medserve.server.runner import execute_async, pull
@@ -180,6 +180,13 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def create_job(request: Request) -> JSONResponse:
         """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
         key = request.headers.get("idempotency-key")
+        existing = jobs.find_idempotent(key) if key else None
+        is_reference = request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json"
+        if existing is not None and is_reference and request.query_params.get("model"):
+            # A replay of {"upload": ID} named by the query: no need to extract that upload again (a big study
+            # takes a while). Bodies that carry the study itself are read in full as usual.
+            await limited(request, MAX_JSON_BYTES).body()
+            return _replayed(existing, check_model_name(request.query_params["model"]))
         job_id = jobs.new_id()
         folder = jobs.job_dir(job_id)
         try:
@@ -188,14 +195,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             if not model:
                 raise ApiError(400, "no_model", "name the model: POST /v1/jobs?model=NAME")
             check_model_name(model)
-            existing = jobs.find_idempotent(key) if key else None
             if existing is not None:
-                if existing["model"] != model:
-                    raise ApiError(409, "idempotency_conflict",
-                                   f"Idempotency-Key was used for a job on {existing['model']!r}")
                 shutil.rmtree(folder, ignore_errors=True)
-                return JSONResponse(existing, 200, headers={"Location": f"/v1/jobs/{existing['id']}",
-                                                            "Idempotent-Replayed": "true"})
+                return _replayed(existing, model)
             store.entry(model)
             writeback = _truthy(request.query_params.get("writeback", options.get("writeback", False)))
             if writeback and spec.kind != "dicomweb":
@@ -205,6 +207,13 @@ def create_app(config: ServerConfig) -> FastAPI:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         return JSONResponse(job, 202, headers={"Location": f"/v1/jobs/{job_id}"})
+
+    def _replayed(existing: dict[str, Any], model: str) -> JSONResponse:
+        """The job an Idempotency-Key names, when it was for the same model (else 409)."""
+        if existing["model"] != model:
+            raise ApiError(409, "idempotency_conflict", f"Idempotency-Key was used for a job on {existing['model']!r}")
+        return JSONResponse(existing, 200, headers={"Location": f"/v1/jobs/{existing['id']}",
+                                                    "Idempotent-Replayed": "true"})
 
     @app.get("/v1/jobs", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def list_jobs(state: str | None = None, limit: int = 100) -> dict[str, Any]:

@@ -39,7 +39,10 @@ def study_zip(study_dir: Path) -> Path:
     from medserve.server.inputs import sniff
 
     found = sorted(p for p in study_dir.rglob("*") if p.is_file())
-    files = [p for p in found if sniff(p) == "dicom"]
+    try:
+        files = [p for p in found if sniff(p) == "dicom"]
+    except OSError as error:
+        raise ClientError(f"{error.filename}: cannot be read ({error.strerror})") from error
     others = [p.relative_to(study_dir).as_posix() for p in found if p not in files]
     if not files:
         what = f"{len(others)} files, none of them DICOM (no 'DICM' marker at byte 128)" if others else "no files"

@@ -437,3 +437,16 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
     code = cli_main(args)
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+
+
+def test_without_pip_config_the_pip_variables_still_reach_the_build(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Where `pip config list` cannot run (a venv without pip), PIP_INDEX_URL and friends still count."""
+    from medserve.packaging import context
+
+    monkeypatch.setattr(context.sys, "executable", "/bin/false")  # 'python -m pip' fails
+    monkeypatch.setenv("PIP_INDEX_URL", "https://mirror.example/simple")
+    monkeypatch.setenv("PIP_EXTRA_INDEX_URL", "https://extra.example/simple file:///opt/pypi")
+    monkeypatch.delenv("PIP_TRUSTED_HOST", raising=False)
+    assert host_pip_indexes() == PipIndexes("https://mirror.example/simple", ("https://extra.example/simple",), ())
+    assert "cannot read pip's configuration" in caplog.text

@@ -296,3 +296,25 @@ def test_a_cancel_racing_the_jobs_success_is_one_or_the_other(base_config, monke
             assert succeeded == [False]  # the worker saw the cancel and drops its result
     finally:
         queue.close()
+
+
+def test_a_replayed_upload_job_does_not_extract_the_upload_again(thr_server, study: Path, monkeypatch) -> None:
+    """{"upload": ID} with the Idempotency-Key of a job on the model in the query: the job is answered at once,
+    without staging the upload again (the CLI's re-runs do this; a study can be gigabytes)."""
+    from medserve.server import inputs
+
+    url = thr_server.url
+    created = httpx.post(url + "/v1/uploads", headers={"Tus-Resumable": "1.0.0", "Upload-Length": str(len(_zip_of(study)))})
+    httpx.patch(created.headers["Location"], content=_zip_of(study), headers={
+        "Tus-Resumable": "1.0.0", "Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"})
+    body = {"upload": created.headers["Location"].rsplit("/", 1)[-1]}
+    first = httpx.post(url + "/v1/jobs?model=thr", json=body, headers={"Idempotency-Key": "u"})
+    assert first.status_code == 202, first.text
+    staged: list[Path] = []
+    real_stage = inputs.stage_file
+    monkeypatch.setattr(inputs, "stage_file", lambda path, *args: staged.append(path) or real_stage(path, *args))
+    again = httpx.post(url + "/v1/jobs?model=thr", json=body, headers={"Idempotency-Key": "u"})
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"] and staged == []
+    other = httpx.post(url + "/v1/jobs?model=other", json=body, headers={"Idempotency-Key": "u"})
+    assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict", other.text
+    assert _wait(url, first.json()["id"], ("succeeded",))["state"] == "succeeded"
