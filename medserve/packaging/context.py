@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import fnmatch
-import functools
 import ast
 import contextlib
+import fnmatch
+import functools
 import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import ssl
 import subprocess
@@ -59,12 +60,14 @@ def app_requirements(app: AppSource, config: AppConfig) -> list[str]:
     path = app.directory / "requirements.txt"
     if path.is_file():
         try:
-            lines += [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+            text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError) as error:
             raise PackagingError(f"{path}: cannot be read as text ({error}); expected a UTF-8 requirements "
                                  "file") from error
+        lines += [line.strip() for line in re.sub(r"\\\r?\n", " ", text).splitlines()]  # joins `\` continuations
     lines += config.pip_packages or []
     lines = [line for line in lines if line and not line.startswith("#")]
+    added: list[str] = []
     for pin in sdk_pins(lines):
         if pin.version is None:
             raise PackagingError(
@@ -72,10 +75,14 @@ def app_requirements(app: AppSource, config: AppConfig) -> list[str]:
                 f"installed here to take its version from: add {pin.name}==VERSION"
             )
         if not pin.pinned:  # an unpinned line the app has stays, and pip resolves both together
-            lines.append(f"{pin.name}=={pin.version}")
+            added.append(f"{pin.name}=={pin.version}")
     if named(lines, ("nvidia-cuda-runtime",)) is None:
-        lines.append(CUDA_RUNTIME_PIN)
-    return lines
+        added.append(CUDA_RUNTIME_PIN)
+    if added and any("--hash" in line for line in lines):
+        # pip's hash-checking mode wants a hash on every line: ours would fail the build's pip step.
+        raise PackagingError(f"{path} uses pip's hash-checking mode (--hash), so the build cannot add its own "
+                             f"pins: add {', '.join(added)} to it, with their hashes")
+    return lines + added
 
 
 @functools.cache

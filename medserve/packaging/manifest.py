@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -104,9 +105,10 @@ def scan_models(path: Path) -> dict[str, Path]:
 
 
 def _parsed(line: str) -> Requirement | None:
-    """A requirement line as pip reads it; None for options (-e, --index-url) and URLs."""
+    """A requirement line as pip reads it (its comment and --hash options left out); None for options (-e,
+    --index-url) and URLs."""
     try:
-        return Requirement(line.split(" #", 1)[0].strip())
+        return Requirement(re.split(r"\s#|\s--hash", line, maxsplit=1)[0].strip())
     except InvalidRequirement:
         return None
 

@@ -450,3 +450,20 @@ def test_without_pip_config_the_pip_variables_still_reach_the_build(monkeypatch:
     monkeypatch.delenv("PIP_TRUSTED_HOST", raising=False)
     assert host_pip_indexes() == PipIndexes("https://mirror.example/simple", ("https://extra.example/simple",), ())
     assert "cannot read pip's configuration" in caplog.text
+
+
+HASH = "--hash=sha256:" + "0" * 64
+
+
+def test_hashed_requirements_are_read_and_kept_whole(tmp_path: Path) -> None:
+    """pip-compile --generate-hashes output: continuation lines and --hash options are read as pip reads them,
+    so pins the app has are found; the build adds no unhashed line of its own (pip would refuse the file)."""
+    text = "".join(f"{pin} \\\n    {HASH}\n" for pin in ("monai-deploy-app-sdk==4.0.0", "holoscan-cu13==4.2.0",
+                                                      "nvidia-cuda-runtime==13.0.96"))
+    lines = _requirements(tmp_path / "whole", text)
+    assert lines == [f"{pin}      {HASH}" for pin in ("monai-deploy-app-sdk==4.0.0", "holoscan-cu13==4.2.0",
+                                                      "nvidia-cuda-runtime==13.0.96")]
+    partial = "".join(f"{pin} \\\n    {HASH}\n" for pin in ("monai-deploy-app-sdk==4.0.0", "holoscan-cu13==4.2.0"))
+    with pytest.raises(PackagingError, match=r"uses pip's hash-checking mode \(--hash\), so the build cannot add "
+                                             r"its own pins: add nvidia-cuda-runtime==13.0.\* to it, with their hashes"):
+        _requirements(tmp_path / "partial", partial)
