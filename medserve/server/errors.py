@@ -69,22 +69,30 @@ def from_core(error: MedserveError, *folders: Path) -> ApiError:
     return ApiError(400, "bad_input", message)
 
 
+def _shaped(request: Request, error: ApiError) -> JSONResponse:
+    """The error in the shape the route's protocol uses: the Open Inference Protocol's `{"error": TEXT}` under
+    /v2 (what tritonclient reads; auth and routing errors there too), ours everywhere else."""
+    if request.url.path == "/v2" or request.url.path.startswith("/v2/"):
+        return JSONResponse({"error": error.message}, error.status, headers=error.headers)
+    return error.response()
+
+
 async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return exc.response()
+    return _shaped(request, exc)
 
 
 async def core_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, MedserveError)
     log.info("input error on %s: %s", request.url.path, exc)
-    return from_core(exc).response()
+    return _shaped(request, from_core(exc))
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
     """FastAPI's checks of query/path parameters (e.g. `?limit=abc`), in our shape rather than {"detail": [...]}."""
     assert isinstance(exc, RequestValidationError)
     problems = "; ".join(f"{' '.join(str(part) for part in error['loc'])}: {error['msg']}" for error in exc.errors())
-    return ApiError(400, "bad_parameter", problems).response()
+    return _shaped(request, ApiError(400, "bad_parameter", problems))
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -92,4 +100,4 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
     message = f"{exc.detail}: {request.method} {request.url.path}"
-    return ApiError(exc.status_code, code, message, dict(exc.headers or {})).response()
+    return _shaped(request, ApiError(exc.status_code, code, message, dict(exc.headers or {})))

@@ -10,6 +10,7 @@ stage boundary and drops whatever it produced (a forward pass in progress runs t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -122,8 +123,12 @@ class JobQueue:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def _drop_input(self, job_id: str) -> None:
-        """A finished job keeps its result, not its input (a study can be gigabytes)."""
-        shutil.rmtree(self.job_dir(job_id) / "input", ignore_errors=True)
+        """A finished job keeps its result, not its input (a study can be gigabytes); one without a result
+        (failed, cancelled) keeps no folder at all."""
+        folder = self.job_dir(job_id)
+        shutil.rmtree(folder / "input", ignore_errors=True)
+        with contextlib.suppress(OSError):  # not empty: it holds the result
+            folder.rmdir()
 
     def job_dir(self, job_id: str) -> Path:
         return self.root / job_id

@@ -95,6 +95,11 @@ def test_tokens_and_scopes(make_server, tmp_path: Path) -> None:
     assert httpx.get(url + "/v1/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
     r = httpx.post(url + "/v1/uploads", headers={"Tus-Resumable": "1.0.0", "Upload-Length": "1"})
     assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+    # Under /v2 errors take the Open Inference Protocol's shape, auth and routing errors included.
+    for response, status, text in ((httpx.post(url + "/v2/models/x/infer", json={}), 401, "missing bearer token"),
+                                   (httpx.get(url + "/v2/nothing"), 404, "/v2/nothing")):
+        assert response.status_code == status and set(response.json()) == {"error"}, response.text
+        assert text in response.json()["error"], response.text
 
 
 def test_infer_reruns_find_the_right_upload_and_job(thr_server, tmp_path: Path) -> None:

@@ -28,12 +28,12 @@ def _wait(url: str, job_id: str, states: tuple[str, ...], timeout: float = 120) 
     raise TimeoutError(f"job {job_id} not in {states}: {job}")
 
 
-def _input_dropped(job_folder: Path, timeout: float = 10) -> None:
-    """The worker drops a job's input right after recording how the job ended (so a crash in between re-runs it
-    with its input): wait for that step rather than race it."""
+def _gone(path: Path, timeout: float = 10) -> None:
+    """The worker drops a job's input (and the folder of a job without a result) right after recording how the
+    job ended (so a crash in between re-runs it with its input): wait for that step rather than race it."""
     deadline = time.monotonic() + timeout
-    while (job_folder / "input").exists():
-        assert time.monotonic() < deadline, f"{job_folder.name} still holds its input {timeout} s after it ended"
+    while path.exists():
+        assert time.monotonic() < deadline, f"{path} still there {timeout} s after the job ended"
         time.sleep(0.05)
 
 
@@ -215,11 +215,11 @@ def test_finished_jobs_keep_their_result_not_their_input(make_server, base_confi
     assert all(r.status_code == 202 for r in submitted), [r.text for r in submitted]
     for job_id in ids:
         assert _wait(url, job_id, ("succeeded", "failed"))["state"] == "succeeded"
-        _input_dropped(jobs / job_id)
+        _gone(jobs / job_id / "input")
         assert httpx.get(f"{url}/v1/jobs/{job_id}/result").status_code == 200
 
 
-def test_a_job_cancelled_while_queued_drops_its_input_and_a_failed_one_too(make_server, study: Path) -> None:
+def test_a_job_cancelled_while_queued_leaves_no_folder_and_a_failed_one_neither(make_server, study: Path) -> None:
     server = with_thr(make_server(job_workers=1))
     url, jobs = server.url, server.config.jobs_dir
     with server.store.use("thr", lambda: None):  # the model is busy: the worker waits, later jobs stay queued
@@ -228,7 +228,7 @@ def test_a_job_cancelled_while_queued_drops_its_input_and_a_failed_one_too(make_
                             files=[("file", ("study.zip", _zip_of(study), "application/zip"))]).json()["id"]
         assert sorted(p.name for p in (jobs / queued / "input").iterdir()) == ["dicom"]  # the zip is gone
         assert httpx.delete(f"{url}/v1/jobs/{queued}").json()["state"] == "cancelled"
-        assert not (jobs / queued / "input").exists()
+        assert not (jobs / queued).exists()
     assert _wait(url, first, ("succeeded",))["state"] == "succeeded"
     broken = [("file", ("IM0.dcm", (study / sorted(p.name for p in study.iterdir())[0]).read_bytes()[:-500],
                         "application/dicom"))]  # a truncated slice: the job fails
@@ -236,7 +236,7 @@ def test_a_job_cancelled_while_queued_drops_its_input_and_a_failed_one_too(make_
     job = _wait(url, failed, ("succeeded", "failed"))
     assert job["state"] == "failed"
     assert job["error"].startswith("IM0.dcm: pixel data is truncated"), job["error"]  # the client's name for it
-    _input_dropped(jobs / failed)
+    _gone(jobs / failed)  # no result: no folder
 
 
 def test_a_job_on_a_model_still_being_copied_waits_for_it(make_server, study: Path) -> None:
