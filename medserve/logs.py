@@ -32,8 +32,9 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(verbosity: int = 0) -> None:
-    """WARNING by default, INFO with -v, DEBUG with -vv; MEDSERVE_LOG_FORMAT=json for machine-readable logs."""
-    level = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
+    """WARNING by default, INFO with -v, DEBUG with -vv, ERROR with -1 (errors only); MEDSERVE_LOG_FORMAT=json
+    for machine-readable logs."""
+    level = {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
     level = getattr(logging, os.environ.get("MEDSERVE_LOG_LEVEL", "").upper(), level)
     handler = logging.StreamHandler(sys.stderr)
     if os.environ.get("MEDSERVE_LOG_FORMAT", "text") == "json":

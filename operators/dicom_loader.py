@@ -13,6 +13,8 @@ from operators.failures import reports_failures
 class DicomLoaderOperator(Operator):
     """Index the DICOM files under a folder (recursively); pixel data is read later, for the selected series.
 
+    `exclude`: a folder under the input folder to leave out (the app's own output folder).
+
     Named input:
         input_folder: optional Path; when no operator sends one, the `input_folder` given at construction.
 
@@ -20,8 +22,10 @@ class DicomLoaderOperator(Operator):
         study_index: a `medserve.dicom.index.StudyIndex` (studies, series, instance headers, skipped files).
     """
 
-    def __init__(self, fragment: Fragment, *args, input_folder: Path | str | None = None, **kwargs):
+    def __init__(self, fragment: Fragment, *args, input_folder: Path | str | None = None,
+                 exclude: Path | str | None = None, **kwargs):
         self.input_folder = Path(input_folder) if input_folder is not None else None
+        self.exclude = exclude
         super().__init__(fragment, *args, **kwargs)
 
     def setup(self, spec: OperatorSpec):
@@ -31,4 +35,4 @@ class DicomLoaderOperator(Operator):
     @reports_failures
     def compute(self, op_input, op_output, context):
         folder = op_input.receive("input_folder") or self.input_folder
-        op_output.emit(index_folder(folder), "study_index")
+        op_output.emit(index_folder(folder, self.exclude), "study_index")

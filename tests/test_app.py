@@ -243,6 +243,9 @@ def test_all_matched_sorted_by_instance_count_segments_the_largest_match(tmp_pat
         assert completed.returncode == 0, completed.stderr
         seg = pydicom.dcmread(out / "seg.dcm")
         assert seg.ReferencedSeriesSequence[0].SeriesInstanceUID == expected, flags
+        # With --all-matched the other match is named as not segmented (one volume per run, as the stock's).
+        assert (f"1 more selected series not segmented (only the first is): {scout.series_uid}" in completed.stderr
+                ) == bool(flags), completed.stderr
 
     refused = run_app("-i", study, "-o", tmp_path / "refused", "-m", DEMO_BUNDLE, "--rules", rules,
                       "--sort-by-sop-instance-count")
@@ -355,3 +358,29 @@ def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path,
     assert status == 2
     assert re.search(r"error: output folder .*out: cannot be written to \(Permission denied\)",
                      capsys.readouterr().err)
+
+
+def test_reruns_into_an_output_folder_inside_the_input(tmp_path):
+    """-o inside -i: the second run does not read the first one's results as input; an earlier run's
+    labels.nii.gz does not stay beside a --no-nifti run's seg.dcm; -l ERROR silences the warnings; an unknown
+    -l is refused."""
+    from medserve.demo.study import write_ct_series
+    from tests.conftest import make_threshold_bundle
+
+    hu = np.full((4, 12, 12), -50.0, np.float32)
+    hu[1:3, 3:9, 3:9] = 300
+    study, out = tmp_path / "study", tmp_path / "study" / "out"
+    write_ct_series(hu, study)
+    (study / "README.txt").write_text("not DICOM: skipped with a warning")
+    bundle = make_threshold_bundle(tmp_path / "thr")
+    first = run_app("-i", study, "-o", out, "-m", bundle)
+    assert first.returncode == 0, first.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["labels.nii.gz", "seg.dcm"]
+    second = run_app("-i", study, "-o", out, "-m", bundle, "--no-nifti")
+    assert second.returncode == 0, second.stderr
+    assert "README.txt" in second.stderr and "out/" not in second.stderr, second.stderr  # out/ is not input
+    assert sorted(p.name for p in out.iterdir()) == ["seg.dcm"]  # no stale labels.nii.gz beside it
+    quiet = run_app("-i", study, "-o", out, "-m", bundle, "-l", "error")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    unknown = run_app("-i", study, "-o", out, "-m", bundle, "-l", "verbose")
+    assert unknown.returncode == 2 and "invalid choice: 'VERBOSE'" in unknown.stderr, unknown.stderr

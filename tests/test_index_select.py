@@ -170,3 +170,10 @@ def test_rules_from_a_file_and_malformed_rules(tmp_path):
         load_rules({"rules": []})
     with pytest.raises(SelectionError, match="operator '~'"):  # when loaded, before any series is matched
         load_rules({"selections": [{"conditions": {"SliceThickness": [1, "~"]}}]})
+    path.write_bytes(b"\xff\xfe{}")  # UTF-16 from a Windows editor: the user's input, not an internal error
+    with pytest.raises(SelectionError, match="rules.json: cannot be read as text"):
+        load_rules(str(path))
+    with pytest.raises(SelectionError, match=f"rules file {tmp_path} is not a file"):
+        load_rules(str(tmp_path))
+    with pytest.raises(SelectionError, match="selection rules: .*expected"):  # JSON text that is not an object
+        load_rules("[1, 2]")

@@ -275,6 +275,18 @@ def test_a_failed_write_leaves_neither_the_file_nor_its_partial(tmp_path, error,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_write_error_pydicom_wraps_is_one_line(tmp_path):
+    """pydicom re-raises an error inside an element (a disk filling up mid-sequence) with the whole traceback as
+    its text and no strerror: the message keeps the OS's reason, in one line."""
+    from pydicom.tag import Tag, tag_in_exception
+
+    target = tmp_path / "seg.dcm"
+    with pytest.raises(OutputError) as caught:
+        with atomic_output(target), tag_in_exception(Tag(0x5200, 0x9230)):
+            raise OSError(28, "No space left on device")
+    assert str(caught.value) == f"cannot write {target}: No space left on device"
+
+
 # ---- label maps from elsewhere: checked where they reach a writer -------------------------------------------
 
 @pytest.mark.parametrize("values", [

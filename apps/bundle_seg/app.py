@@ -64,7 +64,8 @@ class BundleSegApp(Application):
         input_path, output_path = Path(context.input_path), Path(context.output_path)
         predictor = BundlePredictor.from_dir(resolve_bundle(Path(context.model_path)), self.device)
 
-        loader = DicomLoaderOperator(self, CountCondition(self, 1), input_folder=input_path, name="dicom_loader")
+        loader = DicomLoaderOperator(self, CountCondition(self, 1), input_folder=input_path, exclude=output_path,
+                                     name="dicom_loader")
         selector = SeriesSelectorOperator(self, rules=self.rules, all_matched=self.all_matched,
                                           sort_by_sop_instance_count=self.sort_by_sop_instance_count,
                                           name="series_selector")
@@ -88,6 +89,9 @@ class BundleSegApp(Application):
             self.add_flow(nifti_writer, summary, {("nifti_path", "nifti_path")})
 
 
+_VERBOSITY = {"ERROR": -1, "WARNING": 0, "INFO": 1, "DEBUG": 2}  # -l: configure_logging's verbosity
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bundle_seg", description=__doc__.splitlines()[0])
     parser.add_argument("-i", "--input", type=Path, help="DICOM folder (default: $HOLOSCAN_INPUT_PATH)")
@@ -100,13 +104,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="with --all-matched, the matches largest first (so the largest one is segmented)")
     parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--no-nifti", dest="nifti", action="store_false", help="write the DICOM SEG only")
-    parser.add_argument("-l", "--log-level", default=None, help="DEBUG, INFO, WARNING (default) or ERROR")
+    parser.add_argument("-l", "--log-level", type=str.upper, default="WARNING", choices=sorted(_VERBOSITY),
+                        help="DEBUG, INFO, WARNING (default) or ERROR")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    verbosity = {"DEBUG": 2, "INFO": 1}.get(str(args.log_level).upper(), 0)
+    verbosity = _VERBOSITY[args.log_level]
     configure_logging(verbosity)
     if args.sort_by_sop_instance_count and not args.all_matched:
         print("error: --sort-by-sop-instance-count orders the matches of --all-matched; pass both (as the stock "
@@ -127,12 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         output.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=output).close()  # writable by us, whatever the permission bits say
+        for name in (SEG_NAME, NIFTI_NAME):  # an earlier run's results must not pass for this run's
+            (output / name).unlink(missing_ok=True)
     except OSError as error:
         print(f"error: output folder {output}: cannot be {'written to' if output.is_dir() else 'created'} "
               f"({error.strerror or error}); expected a folder we can write to", file=sys.stderr)
         return 2
     # The SDK reads the paths from the environment; its own argv parser must not see our flags.
-    sdk_log_level = {0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
+    sdk_log_level = {-1: "ERROR", 0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
     app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules,
                        all_matched=args.all_matched, sort_by_sop_instance_count=args.sort_by_sop_instance_count,
                        device=args.device, nifti=args.nifti, verbosity=verbosity)

@@ -528,7 +528,8 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
     try:
         checkpoint = torch.load(str(layout.weights_path), map_location="cpu", weights_only=True)
     except Exception as error:  # truncated files, pickles that weights_only refuses, non-torch files
-        raise BundleError(f"{layout.weights_path}: not a readable PyTorch weights file ({error})") from error
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]  # torch's run on for lines
+        raise BundleError(f"{layout.weights_path}: not a readable PyTorch weights file ({first_line})") from error
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise BundleError(f"{layout.weights_path}: expected a state dict (or a checkpoint with a 'model' entry)")

@@ -141,18 +141,21 @@ def _parse_header(path: Path, stream: BinaryIO) -> Instance:
     return Instance(path=path, dataset=dataset, pixel_data_offset=position if at_pixel_data else None)
 
 
-def index_folder(folder: Path | str) -> StudyIndex:
+def index_folder(folder: Path | str, exclude: Path | str | None = None) -> StudyIndex:
     """Index every DICOM file under `folder` (recursively) by StudyInstanceUID and SeriesInstanceUID.
 
     Non-DICOM files and DICOMDIR files are skipped with a warning. A file that starts as DICOM but cannot be
-    parsed is an error: it would silently drop a slice from its series otherwise.
+    parsed is an error: it would silently drop a slice from its series otherwise. `exclude`: a folder left out
+    (an app's output folder inside its input folder, whose SEG would otherwise be read as input next time).
     """
     root = Path(folder)
     if not root.exists():
         raise DicomInputError(f"input folder {root} does not exist")
     if not root.is_dir():
         raise DicomInputError(f"input {root} is not a folder: expected a folder of DICOM files")
-    paths = sorted(_files_under(root))
+    if exclude is not None and os.path.realpath(exclude) == os.path.realpath(root):
+        exclude = None  # the same folder for input and output: only a folder below the input is left out
+    paths = sorted(_files_under(root, exclude))
     if not paths:
         raise DicomInputError(f"input folder {root} is empty: expected DICOM files")
 
@@ -197,11 +200,11 @@ def index_folder(folder: Path | str) -> StudyIndex:
     return StudyIndex(root=root, studies=list(studies.values()), skipped=skipped)
 
 
-def _files_under(root: Path) -> list[Path]:
+def _files_under(root: Path, exclude: Path | str | None = None) -> list[Path]:
     """Every file under `root`, following symbolic links to folders (mounted volumes often are), each real
-    folder once."""
+    folder once, none under `exclude`."""
     files: list[Path] = []
-    seen: set[str] = set()
+    seen: set[str] = {os.path.realpath(exclude)} if exclude is not None else set()
     for dirpath, dirnames, names in os.walk(root, followlinks=True):
         real = os.path.realpath(dirpath)
         if real in seen:

@@ -123,11 +123,15 @@ def load_rules(source: str | Path | dict[str, Any] | None) -> dict[str, Any] | N
         if not text.strip():
             return None
         origin = "selection rules"
-        if not text.lstrip().startswith("{"):
+        if not text.lstrip().startswith(("{", "[")):
             path = Path(text)
             if not path.is_file():
-                raise SelectionError(f"selection rules file {path} does not exist")
-            text, origin = path.read_text(), str(path)
+                what = "is not a file" if path.exists() else "does not exist"
+                raise SelectionError(f"selection rules file {path} {what}; expected a JSON file or JSON text")
+            try:
+                text, origin = path.read_text(encoding="utf-8"), str(path)
+            except (UnicodeDecodeError, OSError) as error:
+                raise SelectionError(f"selection rules file {path}: cannot be read as text ({error})") from error
         try:
             rules = json.loads(text)
         except json.JSONDecodeError as error:

@@ -24,5 +24,14 @@ def atomic_output(path: Path) -> Iterator[Path]:
         with contextlib.suppress(OSError):  # the original error is the one to report
             partial.unlink(missing_ok=True)
         if isinstance(error, OSError):
-            raise OutputError(f"cannot write {path}: {error.strerror or error}") from error
+            raise OutputError(f"cannot write {path}: {_reason(error)}") from error
         raise
+
+
+def _reason(error: OSError) -> str:
+    """The OS's reason in one line. pydicom re-raises a write error as an OSError whose text holds the whole
+    traceback (and no strerror); the original error is its cause."""
+    for candidate in (error, error.__cause__, error.__context__):
+        if isinstance(candidate, OSError) and candidate.strerror:
+            return candidate.strerror
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
