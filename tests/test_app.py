@@ -384,3 +384,8 @@ def test_reruns_into_an_output_folder_inside_the_input(tmp_path):
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     unknown = run_app("-i", study, "-o", out, "-m", bundle, "-l", "verbose")
     assert unknown.returncode == 2 and "invalid choice: 'VERBOSE'" in unknown.stderr, unknown.stderr
+    # A run that fails (no MR series here) removes its results and every folder it created for them.
+    rules = json.dumps({"selections": [{"name": "mr", "conditions": {"Modality": "MR"}}]})
+    failed = run_app("-i", study, "-o", tmp_path / "a" / "b" / "c", "-m", bundle, "--rules", rules)
+    assert failed.returncode == 2 and "matches the selection rules" in failed.stderr, failed.stderr
+    assert not (tmp_path / "a").exists()

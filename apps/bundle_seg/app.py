@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist", file=sys.stderr)
         return 2
     output = Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
-    output_existed = output.is_dir()
+    created = [folder for folder in (output, *output.absolute().parents) if not folder.exists()]  # deepest first
     try:
         output.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=output).close()  # writable by us, whatever the permission bits say
@@ -154,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     if record.failure is None:
         return 0
     record.remove_outputs()
-    if not output_existed:
-        with contextlib.suppress(OSError):  # only if still empty
-            output.rmdir()
+    for folder in created:  # the folders this run made, as long as they are empty
+        with contextlib.suppress(OSError):
+            folder.rmdir()
     print(f"error: {record.failure.message()}", file=sys.stderr)
     return record.failure.exit_status
 
