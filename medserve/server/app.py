@@ -25,7 +25,7 @@ from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
                                     validation_error_handler)
-from medserve.server.inputs import MAX_JSON_BYTES, InputSpec, limited, parse_input
+from medserve.server.inputs import MAX_JSON_BYTES, InputSpec, limited, media_type, parse_input
 from medserve.server.jobs import STATES, JobQueue
 from medserve.server.metrics import Metrics
 from medserve.server.runner import execute_async, pull
@@ -181,8 +181,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
         key = request.headers.get("idempotency-key")
         existing = jobs.find_idempotent(key) if key else None
-        is_reference = request.headers.get("content-type", "").split(";")[0].strip().lower() == "application/json"
-        if existing is not None and is_reference and request.query_params.get("model"):
+        if existing is not None and media_type(request) == "application/json" and request.query_params.get("model"):
             # A replay of {"upload": ID} named by the query: no need to extract that upload again (a big study
             # takes a while). Bodies that carry the study itself are read in full as usual.
             await limited(request, MAX_JSON_BYTES).body()

@@ -242,10 +242,15 @@ def _check_uid(body: dict[str, Any], field: str, level: str) -> None:
                        f"64 characters), not {value!r}")
 
 
+def media_type(request: Request) -> str:
+    """The request's Content-Type without its parameters, lower-cased ("" when there is none)."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
 async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[InputSpec, dict[str, Any]]:
     """Read the request into `dest`; returns the input and the options found beside it (format, writeback)."""
     dest.mkdir(parents=True, exist_ok=True)
-    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    content_type = media_type(request)
     uploads = request.app.state.uploads
     if content_type == "application/json":
         try:

@@ -3,7 +3,8 @@
 `POST /v2/models/{name}/infer` takes one input tensor (N, C, X, Y, Z) already preprocessed the bundle's way
 (`BundlePredictor.preprocess`) and returns the raw network output through the bundle's inferer. JSON tensors
 (`data` as a flat row-major list) and the binary tensor extension (`Inference-Header-Content-Length`,
-`parameters.binary_data_size`, `binary_data` outputs) are both supported. Errors are `{"error": text}`.
+`parameters.binary_data_size`, `binary_data` outputs) are both supported. Errors are `{"error": text}` (the
+app's error handlers give every error under /v2 that shape, see `medserve.server.errors`).
 """
 
 from __future__ import annotations
@@ -37,13 +38,6 @@ INPUT_NAME = "INPUT"
 router = APIRouter(prefix="/v2", tags=["open inference protocol v2"])
 
 
-class OipError(ApiError):
-    """OIP errors have their own body shape: `{"error": "text"}`."""
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": self.message}, self.status, headers=self.headers)
-
-
 def _in_channels(network: Any) -> int:
     for module in network.modules():
         channels = getattr(module, "in_channels", None)
@@ -70,17 +64,10 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": ok}, 200 if ok else 503)
 
 
-def _entry(request: Request, name: str) -> Any:
-    try:
-        return request.app.state.store.entry(name)
-    except ApiError as error:
-        raise _oip(error) from error
-
-
 @router.get("/models/{name}", dependencies=[Depends(require("infer"))])
 @router.get("/models/{name}/versions/{version}", dependencies=[Depends(require("infer"))])
 async def model_metadata(request: Request, name: str, version: str | None = None) -> dict[str, Any]:
-    entry = _entry(request, name)
+    entry = request.app.state.store.entry(name)
     channels = _in_channels(entry.predictor.network) if entry.predictor is not None else -1
     return {
         "name": name, "versions": [entry.version] if entry.version else [], "platform": "pytorch_monai_bundle",
@@ -92,7 +79,7 @@ async def model_metadata(request: Request, name: str, version: str | None = None
 @router.get("/models/{name}/ready", dependencies=[Depends(require("infer"))])
 @router.get("/models/{name}/versions/{version}/ready", dependencies=[Depends(require("infer"))])
 async def model_ready(request: Request, name: str, version: str | None = None) -> JSONResponse:
-    entry = _entry(request, name)
+    entry = request.app.state.store.entry(name)
     ok = entry.predictor is not None
     return JSONResponse({"name": name, "ready": ok}, 200 if ok else 400)
 
@@ -102,7 +89,7 @@ def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], bytes]:
     if header_length is not None:
         split = header_int(header_length)
         if split is None or split > len(body):
-            raise OipError(400, "bad_request", "Inference-Header-Content-Length must be a byte count within the body, "
+            raise ApiError(400, "bad_request", "Inference-Header-Content-Length must be a byte count within the body, "
                            f"not {header_length!r}")
         head, binary = body[:split], body[split:]
     else:
@@ -110,18 +97,18 @@ def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], bytes]:
     try:
         request = json.loads(head)
     except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
-        raise OipError(400, "bad_request", f"inference request header is not JSON: {error}") from error
+        raise ApiError(400, "bad_request", f"inference request header is not JSON: {error}") from error
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list) or len(request["inputs"]) != 1:
-        raise OipError(400, "bad_request", "expected exactly one input tensor in 'inputs'")
+        raise ApiError(400, "bad_request", "expected exactly one input tensor in 'inputs'")
     if not isinstance(request["inputs"][0], dict):
-        raise OipError(400, "bad_request", f"inputs[0] must be a tensor object, not {request['inputs'][0]!r}")
+        raise ApiError(400, "bad_request", f"inputs[0] must be a tensor object, not {request['inputs'][0]!r}")
     return request, binary
 
 
 def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
     parameters = holder.get("parameters") or {}
     if not isinstance(parameters, dict):
-        raise OipError(400, "bad_request", f"{where}.parameters must be an object, not {parameters!r}")
+        raise ApiError(400, "bad_request", f"{where}.parameters must be an object, not {parameters!r}")
     return parameters
 
 
@@ -129,31 +116,31 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
     datatype = spec.get("datatype")
     shape = spec.get("shape")
     if datatype not in DTYPES:
-        raise OipError(400, "bad_request", f"unsupported datatype {datatype!r}")
+        raise ApiError(400, "bad_request", f"unsupported datatype {datatype!r}")
     if not isinstance(shape, list) or len(shape) != 5 or not all(isinstance(s, int) and s > 0 for s in shape):
-        raise OipError(400, "bad_request", f"input shape must be [N, C, X, Y, Z] of positive ints, got {shape}")
+        raise ApiError(400, "bad_request", f"input shape must be [N, C, X, Y, Z] of positive ints, got {shape}")
     dtype = DTYPES[datatype]
     size = _parameters(spec, "inputs[0]").get("binary_data_size")
     if size is not None:
         if (not isinstance(size, int) or isinstance(size, bool) or size != math.prod(shape) * dtype.itemsize
                 or len(binary) < size):
-            raise OipError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype}")
+            raise ApiError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype}")
         array = np.frombuffer(binary[:size], dtype=dtype)
     else:
         data = spec.get("data")
         if data is None:
-            raise OipError(400, "bad_request", "input has neither 'data' nor parameters.binary_data_size")
+            raise ApiError(400, "bad_request", "input has neither 'data' nor parameters.binary_data_size")
         try:
             array = np.asarray(data, dtype=dtype).reshape(-1)
         except (TypeError, ValueError) as error:  # strings, ragged nesting, objects
-            raise OipError(400, "bad_request", f"inputs[0].data must be a list of {datatype} numbers: {error}") \
+            raise ApiError(400, "bad_request", f"inputs[0].data must be a list of {datatype} numbers: {error}") \
                 from error
         if array.size != math.prod(shape):
-            raise OipError(400, "bad_request", f"{array.size} values given for shape {shape}")
+            raise ApiError(400, "bad_request", f"{array.size} values given for shape {shape}")
     with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
         tensor = array.reshape(shape).astype(np.float32, copy=False)
     if not np.isfinite(tensor).all():
-        raise OipError(400, "bad_request", f"inputs[0] holds NaN or infinite values (as FP32: {datatype} values "
+        raise ApiError(400, "bad_request", f"inputs[0] holds NaN or infinite values (as FP32: {datatype} values "
                        "beyond 3.4e38 overflow); the model takes finite numbers")
     return tensor
 
@@ -163,28 +150,21 @@ def _binary_output(req: dict[str, Any]) -> bool:
     binary_default = bool(_parameters(req, "request").get("binary_data_output", False))
     wanted = req.get("outputs") or [{"name": OUTPUT_NAME}]
     if not isinstance(wanted, list) or not all(isinstance(w, dict) for w in wanted):
-        raise OipError(400, "bad_request", f"'outputs' must be a list of objects such as {{\"name\": "
+        raise ApiError(400, "bad_request", f"'outputs' must be a list of objects such as {{\"name\": "
                        f"\"{OUTPUT_NAME}\"}}, not {wanted!r}")
     names = [w.get("name") for w in wanted]
     if any(n != OUTPUT_NAME for n in names):
-        raise OipError(400, "bad_request", f"unknown output(s) {names}; the only output is {OUTPUT_NAME!r}")
+        raise ApiError(400, "bad_request", f"unknown output(s) {names}; the only output is {OUTPUT_NAME!r}")
     return bool(_parameters(wanted[0], "outputs[0]").get("binary_data", binary_default))
-
-
-def _oip(error: ApiError) -> OipError:
-    return OipError(error.status, error.code, error.message, error.headers)
 
 
 @router.post("/models/{name}/infer", dependencies=[Depends(require("infer"))])
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    if _entry(request, name).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
-        raise OipError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
-    try:
-        body = await limited(request, app_state.config.max_upload_bytes).body()
-    except ApiError as error:
-        raise _oip(error) from error
+    if request.app.state.store.entry(name).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
+        raise ApiError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
+    body = await limited(request, app_state.config.max_upload_bytes).body()
     req, binary = _parse_request(request.headers, body)
     array = _tensor(req["inputs"][0], binary)
     want_binary = _binary_output(req)
@@ -196,7 +176,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         predictor = app_state.store.predictor(name)
         channels = _in_channels(predictor.network)
         if channels > 0 and array.shape[1] != channels:
-            raise OipError(400, "bad_request", f"input shape {list(array.shape)} has {array.shape[1]} channel(s); "
+            raise ApiError(400, "bad_request", f"input shape {list(array.shape)} has {array.shape[1]} channel(s); "
                            f"model {name!r} takes {channels}")
         # Binary request data is a read-only view of the body; torch tensors must own writable memory.
         out = predictor.infer_tensor(torch.from_numpy(np.require(array, requirements=("C", "W"))))
@@ -206,17 +186,17 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         async with app_state.store.admit(name) as (queued, limiter):
             app_state.metrics.queue.labels(name).observe(queued)
             output = await anyio.to_thread.run_sync(run, limiter=limiter)
-    except (ApiError, MedserveError) as error:
-        api = error if isinstance(error, ApiError) else from_core(error)
-        app_state.metrics.requests.labels(name, "v2", str(api.status)).inc()
-        raise _oip(api) from error
+    except (ApiError, MedserveError) as error:  # answered by the app's handlers, in the OIP shape under /v2
+        status = error.status if isinstance(error, ApiError) else from_core(error).status
+        app_state.metrics.requests.labels(name, "v2", str(status)).inc()
+        raise
     except Exception as error:
         app_state.metrics.requests.labels(name, "v2", "500").inc()
         log.exception("v2 inference failed")
-        raise OipError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
+        raise ApiError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
     try:
         response = _response(name, app_state.store.entry(name).version, req, output, want_binary)
-    except OipError as error:
+    except ApiError as error:
         app_state.metrics.requests.labels(name, "v2", str(error.status)).inc()
         raise
     app_state.metrics.requests.labels(name, "v2", "200").inc()
@@ -231,7 +211,7 @@ def _response(name: str, version: str | None, req: dict[str, Any], output: np.nd
         result["id"] = req["id"]
     if not want_binary:
         if not np.isfinite(output).all():
-            raise OipError(500, "non_finite_output", f"model {name!r} gave NaN or infinite values, which JSON cannot "
+            raise ApiError(500, "non_finite_output", f"model {name!r} gave NaN or infinite values, which JSON cannot "
                            "carry; ask for the output in binary (parameters.binary_data_output)")
         tensor["data"] = output.reshape(-1).tolist()
         return JSONResponse(result)
