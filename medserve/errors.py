@@ -39,3 +39,9 @@ class PackagingError(MedserveError):
 
 class OutputError(MedserveError):
     """A result file cannot be written (folder not writable, disk full); nothing partial is left under its name."""
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message in one line, for messages that embed another library's (torch's and pydicom's run on
+    for many lines); its type name when it has no message."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -34,7 +34,7 @@ from monai.data import MetaTensor
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from medserve.bundle.layout import INFERENCE_CONFIG_NAMES, BundleLayout
 from medserve.dicom.volume import lps_affine, ras_affine
-from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
+from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory, first_line
 from medserve.writers.labels import MAX_LABEL
 
 log = logging.getLogger("medserve.bundle")
@@ -528,8 +528,8 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
     try:
         checkpoint = torch.load(str(layout.weights_path), map_location="cpu", weights_only=True)
     except Exception as error:  # truncated files, pickles that weights_only refuses, non-torch files
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]  # torch's run on for lines
-        raise BundleError(f"{layout.weights_path}: not a readable PyTorch weights file ({first_line})") from error
+        raise BundleError(f"{layout.weights_path}: not a readable PyTorch weights file ({first_line(error)})") \
+            from error
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise BundleError(f"{layout.weights_path}: expected a state dict (or a checkpoint with a 'model' entry)")

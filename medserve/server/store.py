@@ -301,16 +301,16 @@ class ModelStore:
                 or time.monotonic() - first > self.config.stable_seconds * 5
             ):
                 self.scanned.set()
-            if self.scanned.is_set() and not self.ready.is_set() and not self._preloads_pending():
+            if self.scanned.is_set() and not self.ready.is_set() and not self._preloading():
                 self.ready.set()
             self._stop.wait(self.config.poll_interval)
 
-    def _preloads_pending(self) -> list[str]:
-        """Models asked for by --preload that settled and are still on their way to loaded (or failed). One still
+    def _preloading(self) -> bool:
+        """Whether a model asked for by --preload settled and is still on its way to loaded (or failed). One still
         being copied when the first scan gave up waiting (see `_watch`) does not hold readiness back."""
         preload = self.config.preload
-        return [e.name for e in self.entries()
-                if ("all" in preload or e.name in preload) and e.state in ("checking", "loading")]
+        return any(("all" in preload or e.name in preload) and e.state in ("checking", "loading")
+                   for e in self.entries())
 
     # ---- scanning --------------------------------------------------------------------------------------
     def _folders(self) -> dict[str, Path]:

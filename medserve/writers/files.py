@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from medserve.errors import OutputError
+from medserve.errors import OutputError, first_line
 
 
 @contextlib.contextmanager
@@ -34,4 +34,4 @@ def _reason(error: OSError) -> str:
     for candidate in (error, error.__cause__, error.__context__):
         if isinstance(candidate, OSError) and candidate.strerror:
             return candidate.strerror
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return first_line(error)

@@ -260,8 +260,7 @@ def _first_source(source: list[Dataset]) -> Dataset:
     declared = dataset.get("SpecificCharacterSet")
     if declared is not None and not _highdicom_accepts_character_set(declared):
         changes["SpecificCharacterSet"] = "ISO_IR 192"
-    spacing = _spacing_of_first_two(source)
-    if dataset.get("SliceThickness") in (None, "") and spacing is not None:
+    if dataset.get("SliceThickness") in (None, "") and (spacing := _spacing_of_first_two(source)) is not None:
         changes["SliceThickness"] = spacing
     if not changes:
         return dataset
