@@ -71,12 +71,9 @@ def _tls_args(host: str) -> list[str]:
     return ["--tls-verify=false"] if engine.is_loopback(host) else []
 
 
-def check_destination(reference: str) -> None:
-    """Refuse a push destination that names no registry (PackagingError), e.g. before a build that would push."""
-    _destination(reference)
-
-
-def _destination(reference: str) -> tuple[str, str]:
+def registry_reference(reference: str) -> tuple[str, str]:
+    """(registry host, reference) of an image reference that names a registry, `docker://` dropped; a
+    PackagingError otherwise (also checked before a build that would push)."""
     reference = reference.removeprefix("docker://")
     host = engine.registry_host(reference)
     if host is None:
@@ -99,7 +96,7 @@ def _classify(error: subprocess.CompletedProcess, host: str, action: str,
 
 def push(image: str, destination: str, engine_choice: str = "auto", timeout: float = 1800) -> str:
     """Push `image` to `destination`; returns the manifest digest the registry now serves."""
-    host, reference = _destination(destination)
+    host, reference = registry_reference(destination)
     tool = engine.pick(engine_choice, "buildah")
     credentials = credentials_from_env(host)
     with tempfile.TemporaryDirectory(prefix="medserve-push-") as temp, auth_file(host, credentials) as (auth, fds):
@@ -127,7 +124,7 @@ def push(image: str, destination: str, engine_choice: str = "auto", timeout: flo
 
 def remote_digest(reference: str) -> str:
     """The digest the registry serves for `reference` (skopeo inspect, no pull)."""
-    host, reference = _destination(reference)
+    host, reference = registry_reference(reference)
     credentials = credentials_from_env(host)
     with auth_file(host, credentials) as (auth, fds):
         argv = ["skopeo", "inspect", *auth, *_tls_args(host), "--format", "{{.Digest}}", f"docker://{reference}"]
@@ -139,7 +136,7 @@ def remote_digest(reference: str) -> str:
 
 def pull(reference: str, engine_choice: str = "auto") -> str:
     """Pull into the local store (podman's, or the Docker engine's); returns the local image id."""
-    host, reference = _destination(reference)
+    host, reference = registry_reference(reference)
     tool = engine.pick(engine_choice, "podman")
     credentials = credentials_from_env(host)
     with auth_file(host, credentials) as (auth, fds):
