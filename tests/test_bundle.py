@@ -142,6 +142,68 @@ def test_label_values_above_255_survive(tmp_path):
     assert set(np.unique(label_map)) <= {0, 299}
 
 
+def sigmoid_bundle(root, channel_def, masks):
+    """A threshold bundle turned into a sigmoid (multi-label) one: channel i is the binary mask of HU above (">")
+    or below ("<") a threshold, masks[i] = (comparison, HU), named by `channel_def` (no background)."""
+    def edit(config):
+        config["network_def"]["out_channels"] = len(masks)
+        config["postprocessing"]["transforms"] = [
+            {"_target_": "Activationsd", "keys": "pred", "sigmoid": True},
+            {"_target_": "Invertd", "keys": "pred", "transform": "@preprocessing", "orig_keys": "image",
+             "nearest_interp": False},
+            {"_target_": "AsDiscreted", "keys": "pred", "threshold": 0.5},
+        ]
+    signs = torch.tensor([1.0 if comparison == ">" else -1.0 for comparison, _ in masks])
+    thresholds = torch.tensor([hu / 1000.0 for _, hu in masks])  # in the preprocessing's scaled intensities
+    network = torch.nn.Conv3d(1, len(masks), 1)
+    with torch.no_grad():  # steep logits, as in the threshold bundle
+        network.weight.copy_((signs * 100.0).reshape(-1, 1, 1, 1, 1))
+        network.bias.copy_(-signs * 100.0 * thresholds)
+    bundle = edited_bundle(root, edit, weights=network)
+    metadata = json.loads((bundle / "configs" / "metadata.json").read_text())
+    metadata["network_data_format"]["outputs"]["pred"]["channel_def"] = channel_def
+    (bundle / "configs" / "metadata.json").write_text(json.dumps(metadata))
+    return bundle
+
+
+def test_multi_label_channels_become_labels_one_up_keeping_channel_zero_and_its_name(tmp_path):
+    bundle = sigmoid_bundle(tmp_path / "sigmoid", {"0": "air", "1": "organ"}, [("<", -500.0), (">", THRESHOLD_HU)])
+    volume, _ = phantom_volume()
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    label_map = predictor.predict(volume)
+    assert predictor.labels == {1: "air", 2: "organ"}
+    assert dice(label_map == 1, volume.array < -500) > 0.95
+    assert dice(label_map == 2, volume.array > THRESHOLD_HU) > 0.9
+
+
+def test_single_channel_mask_is_named_by_its_channel(tmp_path):
+    bundle = sigmoid_bundle(tmp_path / "one_mask", {"0": "organ"}, [(">", THRESHOLD_HU)])
+    volume, _ = phantom_volume()
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    label_map = predictor.predict(volume)
+    assert predictor.labels == {1: "organ"}
+    assert dice(label_map == 1, volume.array > THRESHOLD_HU) > 0.9
+
+
+def test_overlapping_masks_are_refused_naming_the_channels(tmp_path):
+    bundle = sigmoid_bundle(tmp_path / "overlap", {"0": "whole", "1": "core"}, [(">", 0.0), (">", THRESHOLD_HU)])
+    with pytest.raises(InferenceError, match=r"^bundle overlap: its multi-label output 'pred' \(2 channels\) has "
+                                             r"channels that overlap: \d+ voxels are in more than one mask \(first: "
+                                             r"channels 0 \('whole'\) and 1 \('core'\)\); medserve writes one label"):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
+
+
+def test_unthresholded_multi_label_output_is_refused(tmp_path):
+    bundle = sigmoid_bundle(tmp_path / "probabilities", {"0": "air", "1": "organ"},
+                            [("<", -500.0), (">", THRESHOLD_HU)])
+    config = json.loads((bundle / "configs" / "inference.json").read_text())
+    config["postprocessing"]["transforms"].pop()  # the threshold
+    (bundle / "configs" / "inference.json").write_text(json.dumps(config))
+    with pytest.raises(InferenceError, match=r"'pred' \(2 channels\) holds values other than 0 and 1; expected "
+                                             r"binary masks"):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
+
+
 def test_torchscript_weights_load(tmp_path, threshold_bundle):
     bundle = tmp_path / "ts"
     shutil.copytree(threshold_bundle, bundle)

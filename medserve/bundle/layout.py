@@ -42,14 +42,28 @@ class BundleLayout:
         outputs = self.metadata.get("network_data_format", {}).get("outputs", {})
         return next(iter(outputs), "pred")
 
-    def labels(self) -> dict[int, str]:
-        """Foreground labels {value: name} from the output's channel_def (background, value 0, left out)."""
+    def _channel_def(self) -> dict[str, Any]:
         outputs = self.metadata.get("network_data_format", {}).get("outputs", {})
         channel_def = outputs.get(self.output_key, {}).get("channel_def", {}) if outputs else {}
+        return channel_def if isinstance(channel_def, dict) else {}
+
+    @property
+    def multi_label(self) -> bool:
+        """Whether the output's channels are each one structure, with no background channel: a sigmoid bundle's
+        binary masks (BraTS-style "0": "tumor core", "1": "whole tumor", ...) or a single-channel mask
+        ("0": "liver"). Its channel i is label i + 1 in a label map. A channel_def whose channel 0 is the
+        background describes class indices as they are (softmax bundles, label-map outputs)."""
+        channel_def = self._channel_def()
+        return "0" in channel_def and not _names_background(channel_def["0"])
+
+    def labels(self) -> dict[int, str]:
+        """Foreground labels {value: name} of the label map made from the output, from its channel_def: the class
+        index of each name (background, value 0, left out), or channel + 1 for a multi-label output."""
+        shift = 1 if self.multi_label else 0
         labels = {}
-        for value, name in channel_def.items():
+        for value, name in self._channel_def().items():
             try:
-                number = int(value)
+                number = int(value) + shift
             except ValueError:
                 continue
             if number > 0:
@@ -80,3 +94,8 @@ class BundleLayout:
             raise BundleError(f"bundle {root}: no weights; expected models/model.pt or models/model.ts")
         return cls(root=root, metadata_path=metadata_path, config_path=config_path, weights_path=weights_path,
                    metadata=metadata)
+
+
+def _names_background(name: Any) -> bool:
+    words = str(name).strip().lower()
+    return "background" in words or words in ("bg", "bkg", "_background_")

@@ -349,7 +349,9 @@ class BundlePredictor:
         return torch.from_numpy(_wrappable(array))
 
     def _label_map(self, scores: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
-        if scores.ndim == 4 and scores.shape[0] > 1:
+        if scores.ndim == 4 and scores.shape[0] > 1 and self.layout.multi_label:
+            scores = self._masks_as_labels(scores)
+        elif scores.ndim == 4 and scores.shape[0] > 1:
             scores = class_indices(scores)  # the bundle left class scores: take the winning class
         elif scores.ndim == 4:
             scores = scores[0]
@@ -370,6 +372,28 @@ class BundlePredictor:
         # as it lies. Writing the SEG and NIfTI of a 512x512x300 map took 4.0 s from the transposed view, 2.0 s
         # from a C-ordered copy, the copy included.
         return values.transpose(2, 1, 0).astype(np.uint16, order="C")
+
+    def _masks_as_labels(self, masks: torch.Tensor) -> torch.Tensor:
+        """A multi-label output's binary channels (C, X, Y, Z) as one label map: channel i is label i + 1.
+
+        Taking the highest channel, as for class scores, would put channel 0 in the background and let one mask
+        hide another. Values other than 0/1 (sigmoid probabilities left unthresholded) and masks that overlap (one
+        label map cannot hold both) are refused, naming what was found.
+        """
+        where = f"bundle {self.name}: its multi-label output '{self.output_key}' ({masks.shape[0]} channels)"
+        if not bool(((masks == 0) | (masks == 1)).all()):
+            raise InferenceError(f"{where} holds values other than 0 and 1; expected binary masks, e.g. from "
+                                 f"AsDiscreted(threshold=0.5) at the end of the bundle's postprocessing")
+        present = masks > 0
+        count = present.sum(0, dtype=torch.int16)
+        overlapping = count > 1
+        if bool(overlapping.any()):
+            first = present[(slice(None), *overlapping.nonzero()[0])].nonzero().flatten().tolist()
+            names = " and ".join(f"{channel} ({self.labels.get(channel + 1, 'unnamed')!r})" for channel in first)
+            raise InferenceError(f"{where} has channels that overlap: {int(overlapping.sum())} voxels are in more "
+                                 f"than one mask (first: channels {names}); medserve writes one label per voxel "
+                                 f"and cannot represent overlapping structures")
+        return torch.where(count > 0, class_indices(present.to(torch.uint8)) + 1, 0)
 
 
 def _wrappable(array: np.ndarray, dtype: np.dtype | type | None = None) -> np.ndarray:
