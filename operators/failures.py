@@ -60,12 +60,6 @@ class RunRecord:
         if self.failure is None:
             self.failure = Failure(where=where, error=error)
 
-    def remove_outputs(self) -> None:
-        """Outputs of a failed run must not be left as if the run had completed."""
-        for path in self.outputs:
-            path.unlink(missing_ok=True)
-        self.outputs.clear()
-
 
 def run_record(fragment: Any) -> RunRecord:
     record = getattr(fragment, _RUN_ATTRIBUTE, None)

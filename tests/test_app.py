@@ -5,10 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import highdicom as hd
@@ -24,7 +27,7 @@ from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import ras_affine, series_to_volume
 from medserve.pipeline import run_study
-from tests.conftest import APP, DEMO_BUNDLE, REPO, dciodvfy_errors, run_app
+from tests.conftest import APP, DEMO_BUNDLE, REPO, dciodvfy_errors, make_threshold_bundle, run_app
 
 
 @pytest.fixture(scope="module")
@@ -265,9 +268,12 @@ def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, demo_
 
 
 # Runs the app's main() with one function replaced by one that raises: a fault of ours (RuntimeError), or the
-# environment's (OSError: the disk is full); or, for an operator's compute, by one that emits nothing ("silent").
+# environment's (OSError: the disk is full); or by one that never returns ("stall"); or, for an operator's compute,
+# by one that emits nothing ("silent").
 _BROKEN_APP = """
-import errno, importlib, importlib.util, sys
+import errno, importlib, importlib.util, os, sys, time
+from medserve.stopping import block_stop_signals
+block_stop_signals()  # as apps/bundle_seg/__main__.py does before importing the app
 module_name, attribute, kind, app_path = sys.argv[1:5]
 spec = importlib.util.spec_from_file_location("bundle_seg_app", app_path)
 app = importlib.util.module_from_spec(spec)
@@ -283,19 +289,27 @@ def broken(*args, **kwargs):
         return
     if kind == "OSError":
         raise OSError(errno.ENOSPC, "No space left on device")
+    if kind == "stall":  # says so in the file $STALLED, then takes for ever
+        open(os.environ["STALLED"], "w").close()
+        time.sleep(600)
     raise RuntimeError("disk on fire")
 setattr(owner, attribute.split(".")[-1], broken)
 sys.exit(app.main(sys.argv[5:]))
 """
 
 
-def run_broken_app(tmp_path: Path, folder: Path, module_name: str, attribute: str, kind: str,
-                   out: Path) -> subprocess.CompletedProcess:
+def broken_app_command(tmp_path: Path, folder: Path, module_name: str, attribute: str, kind: str,
+                       out: Path) -> list[str]:
     driver = tmp_path / "broken_app.py"
     driver.write_text(_BROKEN_APP)
-    command = (f"ulimit -s 32768; cd {REPO}; exec {sys.executable} {driver} {module_name} {attribute} {kind} {APP} "
-               f"-i {folder} -o {out} -m {DEMO_BUNDLE} --device cpu")
-    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    return ["bash", "-c", f"ulimit -s 32768; cd {REPO}; exec {sys.executable} {driver} {module_name} {attribute} "
+                          f"{kind} {APP} -i {folder} -o {out} -m {DEMO_BUNDLE} --device cpu"]
+
+
+def run_broken_app(tmp_path: Path, folder: Path, module_name: str, attribute: str, kind: str,
+                   out: Path) -> subprocess.CompletedProcess:
+    command = broken_app_command(tmp_path, folder, module_name, attribute, kind, out)
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("module_name,attribute,operator", [
@@ -334,6 +348,53 @@ def test_a_full_disk_is_one_line_naming_the_file_exit_2_and_nothing_is_left(tmp_
         completed.stderr
     assert "Traceback" not in completed.stderr + completed.stdout
     assert not out.exists()
+
+
+def interrupt_when_stalled(command: list[str], stalled: Path, sent: signal.Signals) -> tuple[int, str]:
+    """Start `command`, send it `sent` once the file `stalled` appears; its exit status and stderr."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "STALLED": str(stalled)})
+    try:
+        deadline = time.monotonic() + 240
+        while not stalled.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stalled.exists(), f"the run did not reach the stalled step: {process.poll()=}"
+        process.send_signal(sent)
+        _, stderr = process.communicate(timeout=30)  # Holoscan alone would wait 3 s, then force status 1
+    finally:
+        process.kill()
+    return process.returncode, stderr
+
+
+@pytest.mark.parametrize("sent,entry", [(signal.SIGINT, APP), (signal.SIGTERM, APP), (signal.SIGINT, APP.parent)],
+                         ids=["ctrl-c", "sigterm", "ctrl-c-app-folder"])
+def test_an_interrupted_inference_exits_128_plus_the_signal_leaving_no_output_folder(tmp_path, demo_study, sent,
+                                                                                      entry):
+    stalled = tmp_path / "inferring"
+    bundle = make_threshold_bundle(tmp_path / "slow")
+    config = json.loads((bundle / "configs" / "inference.json").read_text())
+    config["inferer"] = ("$lambda inputs, network: (open(__import__('os').environ['STALLED'], 'w').close(), "
+                         "__import__('time').sleep(600), network(inputs))[2]")
+    (bundle / "configs" / "inference.json").write_text(json.dumps(config))
+    out = tmp_path / "new" / "out"
+    command = ["bash", "-c", f"ulimit -s 32768; exec {sys.executable} {entry} -i {demo_study[0]} -o {out} "
+                             f"-m {bundle} --device cpu"]
+    status, stderr = interrupt_when_stalled(command, stalled, sent)
+    assert status == 128 + sent, stderr
+    assert stderr.splitlines()[-1] == f"error: interrupted by {sent.name}; this run's outputs were removed", stderr
+    assert "Forcing exit" not in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_interrupt_after_the_results_were_written_removes_them(tmp_path, demo_study):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own file")
+    command = broken_app_command(tmp_path, demo_study[0], "operators.result_summary", "summary_line", "stall", out)
+    status, stderr = interrupt_when_stalled(command, tmp_path / "summarizing", signal.SIGINT)
+    assert status == 130, stderr
+    assert stderr.splitlines()[-1] == "error: interrupted by SIGINT; this run's outputs were removed", stderr
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path, demo_study, monkeypatch, capsys):

@@ -11,22 +11,30 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from monai.deploy.core import Application
-from monai.deploy.conditions import CountCondition
+from medserve.stopping import block_stop_signals, watch_stop_signals
 
-from medserve.bundle.predictor import BundlePredictor
-from medserve.errors import BundleError
-from medserve.logs import configure_logging
-from medserve.pipeline import NIFTI_NAME, SEG_NAME
-from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, ResultSummaryOperator,
-                       SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
-from operators.failures import run_record
+if __name__ == "__main__":
+    block_stop_signals()  # before torch, Holoscan and the SDK start threads (see medserve.stopping)
+
+from monai.deploy.core import Application  # noqa: E402
+from monai.deploy.conditions import CountCondition  # noqa: E402
+
+from medserve.bundle.predictor import BundlePredictor  # noqa: E402
+from medserve.errors import BundleError  # noqa: E402
+from medserve.logs import configure_logging  # noqa: E402
+from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
+from medserve.writers.files import partial_path, stop_publishing  # noqa: E402
+from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator,  # noqa: E402
+                       ResultSummaryOperator, SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
+from operators.failures import run_record  # noqa: E402
 
 _PATH_VARIABLES = {"input": "HOLOSCAN_INPUT_PATH", "output": "HOLOSCAN_OUTPUT_PATH", "model": "HOLOSCAN_MODEL_PATH"}
 
@@ -129,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     output = Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
     created = [folder for folder in (output, *output.absolute().parents) if not folder.exists()]  # deepest first
+    watch_stop_signals(functools.partial(_interrupted, output, created))
     try:
         output.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=output).close()  # writable by us, whatever the permission bits say
@@ -153,12 +162,27 @@ def main(argv: list[str] | None = None) -> int:
         record.fail("the application", RuntimeError(f"the graph finished without writing {', '.join(missing)}"))
     if record.failure is None:
         return 0
-    record.remove_outputs()
-    for folder in created:  # the folders this run made, as long as they are empty
-        with contextlib.suppress(OSError):
-            folder.rmdir()
+    _discard_run(output, created)
     print(f"error: {record.failure.message()}", file=sys.stderr)
     return record.failure.exit_status
+
+
+def _discard_run(output: Path, created: list[Path]) -> None:
+    """Leave nothing of a run that did not complete: its results, their partial files, and the folders it
+    created (deepest first, as long as they are empty). Results of earlier runs were removed when it began."""
+    for result in (output / SEG_NAME, output / NIFTI_NAME):
+        for path in (result, partial_path(result)):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+    for folder in created:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def _interrupted(output: Path, created: list[Path], received: signal.Signals) -> None:
+    stop_publishing()  # a writer finishing now must not put its file back after the clean-up
+    _discard_run(output, created)
+    print(f"error: interrupted by {received.name}; this run's outputs were removed", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -3,23 +3,40 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from medserve.errors import OutputError, first_line
+
+# Held while a finished file is renamed into place, and for good once the process is ending (stop_publishing).
+_PUBLISHING = threading.Lock()
+
+
+def partial_path(path: Path) -> Path:
+    """Where `path` is written before it is complete: a hidden name beside it, keeping its suffixes."""
+    return path.with_name(f".{path.name}.partial{''.join(path.suffixes)}")
+
+
+def stop_publishing() -> None:
+    """From now on no result file of this process appears under its name: a rename in progress finishes first,
+    every later one waits for ever. For a process that is ending and removes its results."""
+    _PUBLISHING.acquire()
 
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[Path]:
     """Yield a temporary path beside `path` to write to; on success it is renamed to `path`.
 
-    The temporary name keeps `path`'s suffixes (nibabel picks the format from them). When writing fails, the
-    temporary file is removed; an OSError (folder not writable, disk full) becomes an OutputError naming `path`.
+    The temporary name (`partial_path`) keeps `path`'s suffixes (nibabel picks the format from them). When writing
+    fails, the temporary file is removed; an OSError (folder not writable, disk full) becomes an OutputError naming
+    `path`.
     """
-    partial = path.with_name(f".{path.name}.partial{''.join(path.suffixes)}")
+    partial = partial_path(path)
     try:
         yield partial
-        partial.replace(path)
+        with _PUBLISHING:
+            partial.replace(path)
     except BaseException as error:
         with contextlib.suppress(OSError):  # the original error is the one to report
             partial.unlink(missing_ok=True)

@@ -1,0 +1,48 @@
+"""Ctrl-C and SIGTERM end a Holoscan application with its outputs removed and the conventional exit status.
+
+Left to Holoscan, SIGINT reaches its executor's own handler: it asks the graph to stop, waits 3 seconds for the
+operator that is busy (a bundle's inference takes minutes), then ends the process from C++ with status 1 and
+"Application did not shut down within 3 seconds of interrupt. Forcing exit...". Python's `finally` blocks and
+`atexit` never run, so an interrupted run left its output folder, and partial files, behind.
+
+Instead an app blocks both signals in every thread and lets one watcher thread take them with `sigwait`: it runs
+the app's clean-up and ends the process with 128 + the signal number, what a shell reports for a process ended by
+that signal. A thread inherits its creator's signal mask, and importing torch, Holoscan or the SDK starts threads,
+so `block_stop_signals()` must run before those imports; an app calls it only when run as a program, since
+children (subprocesses) inherit the mask too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+def block_stop_signals() -> None:
+    """Block SIGINT and SIGTERM in this thread and every thread it starts from now on."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+
+
+def watch_stop_signals(clean_up: Callable[[signal.Signals], None]) -> bool:
+    """On the first SIGINT or SIGTERM, run `clean_up(signal)` in a watcher thread, then end the process with status
+    128 + its number. Does nothing, and returns False, unless `block_stop_signals()` ran first in this thread (an
+    app's main() called from a test or another program keeps Python's own KeyboardInterrupt)."""
+    if not STOP_SIGNALS <= signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return False
+
+    def watch() -> None:
+        received = signal.Signals(signal.sigwait(STOP_SIGNALS))
+        try:
+            clean_up(received)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(128 + received)  # skips the interpreter's shutdown, which would wait on the graph's threads
+
+    threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+    return True
