@@ -6,6 +6,7 @@ import json
 import logging
 import re
 import shutil
+from pathlib import Path
 
 import highdicom as hd
 import numpy as np
@@ -225,6 +226,95 @@ def test_yaml_config_is_found(tmp_path, threshold_bundle):
     (bundle / "configs" / "inference.json").unlink()
     (bundle / "configs" / "inference.yml").write_text(yaml.safe_dump(config))
     assert BundlePredictor.from_dir(bundle, device="cpu").layout.config_path.name == "inference.yml"
+
+
+# The layout of the zoo's segmentation_template config: constants from MONAI, the transforms defined at the top level
+# and referenced from the Compose, a dataset/evaluator/run section that an in-memory run never builds.
+_TEMPLATE_STYLE_CONFIG = """
+imports:
+- $import os
+- $import glob
+image: $monai.utils.CommonKeys.IMAGE
+pred: $monai.utils.CommonKeys.PRED
+device: $torch.device('cuda:0' if torch.cuda.is_available() else 'cpu')
+bundle_root: .
+dataset_dir: $@bundle_root + '/test_data'
+network_def: {_target_: torch.nn.Conv3d, in_channels: 1, out_channels: 2, kernel_size: 1}
+network: $@network_def.to(@device)
+data_dicts: '$[{@image: i} for i in sorted(glob.glob(os.path.join(@dataset_dir, "*.nii*")))]'
+transforms:
+- {_target_: LoadImaged, keys: '@image', image_only: true}
+- {_target_: EnsureChannelFirstd, keys: '@image'}
+- {_target_: ScaleIntensityRanged, keys: '@image', a_min: -1000, a_max: 1000, b_min: -1.0, b_max: 1.0, clip: true}
+preprocessing: {_target_: Compose, transforms: $@transforms}
+dataset: {_target_: Dataset, data: '@data_dicts', transform: '@preprocessing'}
+inferer: {_target_: SimpleInferer}
+postprocessing:
+  _target_: Compose
+  transforms:
+  - {_target_: Activationsd, keys: '@pred', softmax: true}
+  - {_target_: AsDiscreted, keys: '@pred', argmax: true}
+  - {_target_: SaveImaged, keys: '@pred', output_dir: ./outputs, output_postfix: '', separate_folder: true}
+evaluator: {_target_: SupervisedEvaluator, device: '@device', val_data_loader: '@dataset', network: '@network',
+            inferer: '@inferer', postprocessing: '@postprocessing'}
+run: [$@evaluator.run()]
+"""
+
+
+def test_a_template_style_yaml_config_with_referenced_transforms_runs(tmp_path, threshold_bundle):
+    bundle = tmp_path / "template"
+    shutil.copytree(threshold_bundle, bundle)
+    (bundle / "configs" / "inference.json").unlink()
+    (bundle / "configs" / "inference.yaml").write_text(_TEMPLATE_STYLE_CONFIG)
+    volume, _ = phantom_volume()
+    label_map = BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
+    assert dice(label_map, volume.array > THRESHOLD_HU) > 0.95  # no spacing: the threshold holds voxel by voxel
+
+
+_BUNDLE_NETWORK = """
+import torch
+
+
+class Network(torch.nn.Conv3d):
+    \"\"\"The threshold bundle's 1x1x1 convolution, with its classes {order}.\"\"\"
+
+    def __init__(self):
+        super().__init__(1, 2, 1)
+
+    def forward(self, x):
+        return super().forward(x){flip}
+"""
+
+
+def bundle_with_scripts(root: Path, threshold_bundle: Path, flipped: bool) -> Path:
+    """The threshold bundle with its network in its own `scripts` package, as zoo bundles ship code; `flipped`
+    swaps the classes, so which package a bundle ran is visible in its label map."""
+    shutil.copytree(threshold_bundle, root)
+    (root / "scripts").mkdir()
+    (root / "scripts" / "__init__.py").write_text("")
+    (root / "scripts" / "net.py").write_text(_BUNDLE_NETWORK.format(
+        order="swapped" if flipped else "as trained", flip=".flip(1)" if flipped else ""))
+    config = json.loads((root / "configs" / "inference.json").read_text())
+    config["imports"] = ["$import scripts"]
+    config["network_def"] = {"_target_": "scripts.net.Network"}
+    (root / "configs" / "inference.json").write_text(json.dumps(config))
+    return root
+
+
+def test_bundles_with_their_own_scripts_package_load_side_by_side(tmp_path, threshold_bundle):
+    import sys
+
+    plain = bundle_with_scripts(tmp_path / "plain", threshold_bundle, flipped=False)
+    flipped = bundle_with_scripts(tmp_path / "flipped", threshold_bundle, flipped=True)
+    path_before = list(sys.path)
+    first = BundlePredictor.from_dir(plain, device="cpu")
+    second = BundlePredictor.from_dir(flipped, device="cpu")
+    assert sys.path == path_before
+    assert "scripts" not in sys.modules  # the next bundle's `scripts` must not find this one's
+    volume, _ = phantom_volume()
+    organ = volume.array > THRESHOLD_HU
+    assert dice(first.predict(volume), organ) > 0.9
+    assert dice(second.predict(volume), ~organ) > 0.9
 
 
 def test_bundle_without_weights_is_refused(tmp_path, threshold_bundle):

@@ -32,6 +32,7 @@ from monai.bundle import ConfigParser
 from monai.data import MetaTensor
 
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
+from medserve.bundle.imports import bundle_code
 from medserve.bundle.layout import INFERENCE_CONFIG_NAMES, BundleLayout
 from medserve.dicom.volume import lps_affine, ras_affine
 from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory, first_line
@@ -50,6 +51,8 @@ _IMPORT_RACE_ATTEMPTS = 5
 _CAUSE_CHARACTERS = 500
 # MONAI's Compose wraps a transform's error in RuntimeError("applying transform <its repr>") from the original.
 _MONAI_TRANSFORM_FAILURE = re.compile(r"applying transform <?([\w.]+)")
+# A config value that is nothing but a reference to another entry: "@id" or "$@id" (ids nest with :: or #).
+_REFERENCE = re.compile(r"^\$?@([\w#:]+)$")
 
 
 def default_device() -> torch.device:
@@ -201,9 +204,10 @@ class BundlePredictor:
         layout = BundleLayout.find(path)
         for attempt in range(_IMPORT_RACE_ATTEMPTS):
             try:
-                parser = _parse_config(layout, device)
-                network = _load_network(layout, parser, device)
-                predictor = cls(layout, parser, network, device)
+                with bundle_code(layout.root):
+                    parser = _parse_config(layout, device)
+                    network = _load_network(layout, parser, device)
+                    predictor = cls(layout, parser, network, device)
                 break
             except BundleError as error:
                 if attempt + 1 == _IMPORT_RACE_ATTEMPTS or not _is_import_race(error):
@@ -480,10 +484,25 @@ def _inferer_on_the_device(parser: ConfigParser) -> None:
             parser[f"inferer#{key}"] = "@device"
 
 
-def _transform_list(parser: ConfigParser, section: str, layout: BundleLayout) -> list[Any]:
+def _section_transforms(parser: ConfigParser, section: str) -> list[Any] | None:
+    """The `transforms` list of the Compose `section`, also when it refers to a list defined elsewhere in the config
+    (the zoo's segmentation_template: `transforms: $@transforms`); None when there is no such list."""
     transforms = parser[section].get("transforms") if isinstance(parser[section], dict) else None
-    if not isinstance(transforms, list):
-        raise BundleError(f"{layout.config_path}: '{section}' must be a Compose with a 'transforms' list")
+    followed: set[str] = set()
+    while isinstance(transforms, str) and (reference := _REFERENCE.match(transforms.strip())):
+        target = reference.group(1)
+        if target in followed or target not in parser:
+            return None
+        followed.add(target)
+        transforms = parser[target]
+    return transforms if isinstance(transforms, list) else None
+
+
+def _transform_list(parser: ConfigParser, section: str, layout: BundleLayout) -> list[Any]:
+    transforms = _section_transforms(parser, section)
+    if transforms is None:
+        raise BundleError(f"{layout.config_path}: '{section}' must be a Compose with a 'transforms' list (or a "
+                          f"reference to one)")
     return transforms
 
 
@@ -498,15 +517,15 @@ def _drop_transforms(parser: ConfigParser, section: str, prefixes: tuple[str, ..
 
 
 def _uses_transform(parser: ConfigParser, section: str, prefixes: tuple[str, ...]) -> bool:
-    transforms = parser[section].get("transforms", []) if isinstance(parser[section], dict) else []
-    return any(_target_name(t).startswith(prefixes) for t in transforms)
+    return any(_target_name(t).startswith(prefixes) for t in _section_transforms(parser, section) or [])
 
 
 def network_from_config(config_path: Path) -> torch.nn.Module:
     """The untrained network of a bundle config (random weights), e.g. to give a config weights for tests."""
     parser = ConfigParser()
     parser.read_config(str(config_path))
-    return build_network(config_path, parser)
+    with bundle_code(config_path.parent.parent):
+        return build_network(config_path, parser)
 
 
 def write_random_weights(bundle: Path, seed: int = 0) -> Path:
