@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pydicom
+import pydicom.uid
 import pytest
 from pydicom.fileset import FileSet
 
@@ -15,7 +16,7 @@ from medserve.demo.phantom import make_phantom
 from medserve.demo.study import write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import load_rules, select_series
-from medserve.errors import DicomInputError, SelectionError
+from medserve.errors import DicomInputError, SelectionError, VolumeError
 
 
 @pytest.fixture
@@ -114,6 +115,46 @@ def test_image_without_its_series_uid_is_refused_saying_which_uid(tmp_path):
 def test_default_rules_pick_the_largest_ct_series(two_series_study):
     [choice] = select_series(index_folder(two_series_study))
     assert choice.series.description == "Abdomen 3mm"
+
+
+def write_repeated_positions_series(folder: Path, study_uid: str, repeats: int = 3) -> str:
+    """A DWI-like series: the same 6 slice positions acquired `repeats` times (b-values); its SeriesInstanceUID."""
+    first = write_ct_series(make_phantom(shape=(6, 24, 24), seed=3).hu, folder, study_uid=study_uid,
+                            series_description="DWI b0/b500/b1000")
+    for repeat in range(1, repeats):
+        for path in first.paths:
+            dataset = pydicom.dcmread(path)
+            dataset.SOPInstanceUID = dataset.file_meta.MediaStorageSOPInstanceUID = pydicom.uid.generate_uid()
+            dataset.save_as(path.with_name(f"b{repeat}_{path.name}"), enforce_file_format=True)
+    return first.series_uid
+
+
+def test_default_rules_leave_aside_a_larger_series_that_is_no_volume(two_series_study, caplog):
+    study_uid = pydicom.dcmread(next((two_series_study / "scout").iterdir())).StudyInstanceUID
+    write_repeated_positions_series(two_series_study / "dwi", study_uid, repeats=4)  # 24 instances > 16
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.select"):
+        [choice] = select_series(index_folder(two_series_study))
+    assert choice.series.description == "Abdomen 3mm"
+    [record] = [r for r in caplog.records if "left aside" in r.getMessage()]
+    assert len(record.series) == 1 and "duplicated slice" in record.series[0], record.series
+
+
+def test_default_rules_name_the_series_left_aside_when_none_forms_a_volume(tmp_path):
+    study_uid = pydicom.uid.generate_uid()
+    write_repeated_positions_series(tmp_path / "dwi", study_uid)
+    with pytest.raises(VolumeError, match=r"^duplicated slice at"):  # the only candidate: its own error
+        select_series(index_folder(tmp_path))
+    write_repeated_positions_series(tmp_path / "dwi2", study_uid)
+    with pytest.raises(SelectionError, match=r"no CT or MR series in .* forms a volume, so none was selected by "
+                                             r"default; choose one with selection rules. Left aside:\n  .*DWI "
+                                             r"b0/b500/b1000.*: duplicated slice at(.|\n)*\n  .*DWI"):
+        select_series(index_folder(tmp_path))
+
+
+def test_user_rules_keep_a_series_that_is_no_volume_as_the_stock(tmp_path):
+    series_uid = write_repeated_positions_series(tmp_path / "dwi", pydicom.uid.generate_uid())
+    [choice] = select_series(index_folder(tmp_path), {"selections": [{"name": "ct", "conditions": {"Modality": "CT"}}]})
+    assert choice.series.series_uid == series_uid
 
 
 def test_user_rules_take_the_first_match_in_study_order_as_the_stock(tmp_path):

@@ -36,8 +36,10 @@ Conditions (stock matching, in dict order, stopping at the first that fails):
   FFDR) or the selection fails with an error.
 
 Where we differ from the stock, on purpose:
-- no rules (None or a blank string): the largest CT or MR series of each study (most frames), with
-  `DEFAULT_RULES`. The stock without rules selects every series of every study, unnamed.
+- no rules (None or a blank string): the largest CT or MR series of each study (most frames) whose headers form a
+  volume, with `DEFAULT_RULES`; larger ones that do not (a DWI's repeated positions, a series missing slices) are
+  left aside with a warning, or named in the error when no series is left. The stock without rules selects every
+  series of every study, unnamed.
 - rules are validated when loaded (`load_rules`), against the DICOM dictionary's VR and VM of each keyword;
   a rule the stock would crash on at match time (a list or number for a single text attribute, an invalid
   regex, `["abc", ">"]`, an unknown operator, a person-name, sequence or binary attribute, a keyword that is
@@ -73,7 +75,8 @@ from pydicom.dataset import Dataset
 from pydicom.tag import Tag
 
 from medserve.dicom.index import Series, Study, StudyIndex
-from medserve.errors import SelectionError
+from medserve.dicom.volume import ordered_instances
+from medserve.errors import SelectionError, VolumeError
 
 log = logging.getLogger("medserve.dicom.select")
 
@@ -256,6 +259,7 @@ def select_series(index: StudyIndex, rules: str | Path | dict[str, Any] | None =
     loaded = load_rules(rules)
     selections = (loaded or DEFAULT_RULES)["selections"]
     selected: list[SelectedSeries] = []
+    skipped: list[tuple[Series, VolumeError]] = []  # by the default rules: series that form no volume, and why
     for study in index.studies:
         # The stock StudySelectedSeries groups a study's matches by selection name, in order of first use.
         by_name: dict[str, list[SelectedSeries]] = {}
@@ -271,22 +275,46 @@ def select_series(index: StudyIndex, rules: str | Path | dict[str, Any] | None =
             name = selection.get("name", "").strip()
             found = []
             for view in views:
-                if _matches(view, conditions, name or f"selections[{position}]"):
-                    found.append(view)
-                    if not all_matched:
-                        break
+                if not _matches(view, conditions, name or f"selections[{position}]"):
+                    continue
+                if loaded is None and (reason := _not_a_volume(view.series)):
+                    skipped.append((view.series, reason))
+                    continue
+                found.append(view)
+                if not all_matched:
+                    break
             if sort_by_sop_instance_count and len(found) > 1:
                 found.sort(key=lambda v: v.sop_instance_count, reverse=True)
             for view in found:
                 chosen = name or view.series.series_uid
                 by_name.setdefault(chosen, []).append(SelectedSeries(name=chosen, series=view.series))
         selected.extend(match for matches in by_name.values() for match in matches)
+    left_aside = [f"{series.summary()}: {reason}" for series, reason in skipped]
+    if skipped:
+        log.warning("series left aside by the default selection: they do not form a volume",
+                    extra={"series": left_aside})
+    if not selected and len(skipped) == 1:
+        raise skipped[0][1]  # the only candidate: what is wrong with it is the whole story
+    if not selected and skipped:
+        raise SelectionError(f"no CT or MR series in {index.root} forms a volume, so none was selected by default; "
+                             f"choose one with selection rules. Left aside:\n"
+                             + "\n".join(f"  {line}" for line in left_aside))
     if not selected:
         raise SelectionError(
             f"no series in {index.root} matches the selection rules {json.dumps(selections)}; "
             f"found:\n{index.describe()}"
         )
     return selected
+
+
+def _not_a_volume(series: Series) -> VolumeError | None:
+    """Why the headers of `series` do not form a volume (a DWI's repeated positions, a localizer's planes), or
+    None when they do. Checked before any pixels are read, as `load_series` will check them."""
+    try:
+        ordered_instances(series)
+    except VolumeError as error:
+        return error
+    return None
 
 
 class _Unmatchable(Exception):
