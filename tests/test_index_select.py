@@ -7,6 +7,7 @@ import logging
 import re
 from pathlib import Path
 
+import numpy as np
 import pydicom
 import pydicom.uid
 import pytest
@@ -16,6 +17,7 @@ from medserve.demo.phantom import make_phantom
 from medserve.demo.study import write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import load_rules, select_series
+from medserve.dicom.volume import series_to_volume
 from medserve.errors import DicomInputError, SelectionError, VolumeError
 
 
@@ -57,6 +59,29 @@ def test_dicomdir_is_skipped_and_the_files_it_lists_are_indexed(tmp_path, caplog
     assert [(p.name, "DICOMDIR" in why) for p, why in index.skipped] == [("DICOMDIR", True)]
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         f"skipping {tmp_path / 'media' / 'DICOMDIR'}: DICOMDIR (the folder is scanned directly instead)"]
+
+
+def test_files_without_the_preamble_are_read_with_or_without_file_meta(tmp_path):
+    """Archives and old modalities write the dataset without the 128-byte preamble and "DICM", some without the
+    file meta (group 0002) too: implicit VR little endian, DICOM's default encoding."""
+    from pydicom.filebase import DicomBytesIO
+    from pydicom.filewriter import write_dataset
+
+    phantom = make_phantom(shape=(4, 16, 16), seed=2)
+    written = write_ct_series(phantom.hu, tmp_path / "study")
+    expected = series_to_volume(select_series(index_folder(tmp_path / "study"))[0].series).array
+    meta_first, bare = written.paths[1], written.paths[2]
+    meta_first.write_bytes(meta_first.read_bytes()[132:])  # starts with the file meta's (0002,0000)
+    dataset = pydicom.dcmread(bare)
+    encoded = DicomBytesIO()
+    encoded.is_little_endian, encoded.is_implicit_VR = True, True
+    write_dataset(encoded, dataset)  # the dataset alone, from (0008,0005)
+    bare.write_bytes(encoded.getvalue())
+    index = index_folder(tmp_path / "study")
+    assert not index.skipped
+    [choice] = select_series(index)
+    assert len(choice.series.instances) == 4
+    np.testing.assert_array_equal(series_to_volume(choice.series).array, expected)
 
 
 def test_empty_folder_is_refused(tmp_path):

@@ -18,6 +18,7 @@ from typing import BinaryIO
 import pydicom
 from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
+from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 
 from medserve.dicom.memory import VolumeMemory
 from medserve.dicom.values import uid_value
@@ -120,20 +121,26 @@ def read_header(path: Path) -> Instance:
     """
     with path.open("rb") as stream:
         head = stream.read(_HEADER_CHUNK_BYTES)
+        # Some archives and old modalities write the dataset without the 128-byte preamble and "DICM" prefix.
+        without_preamble = not _has_preamble(head) and _starts_as_a_dataset(head)
         if len(head) < _HEADER_CHUNK_BYTES:
-            return _parse_header(path, io.BytesIO(head))
+            return _parse_header(path, io.BytesIO(head), without_preamble)
         try:
-            instance = _parse_header(path, io.BytesIO(head))
+            instance = _parse_header(path, io.BytesIO(head), without_preamble)
         except Exception:  # the chunk ended inside an element; the whole file decides
             instance = None
         if instance is not None and instance.pixel_data_offset is not None:
             return instance
         stream.seek(0)
-        return _parse_header(path, stream)
+        return _parse_header(path, stream, without_preamble)
 
 
-def _parse_header(path: Path, stream: BinaryIO) -> Instance:
-    dataset = pydicom.dcmread(stream, stop_before_pixels=True)
+def _parse_header(path: Path, stream: BinaryIO, without_preamble: bool = False) -> Instance:
+    dataset = pydicom.dcmread(stream, stop_before_pixels=True, force=without_preamble)
+    if without_preamble and not dataset.file_meta.get("TransferSyntaxUID"):
+        # No file meta either: the encoding pydicom found is the transfer syntax (pixels are read by it).
+        dataset.file_meta.TransferSyntaxUID = (
+            ImplicitVRLittleEndian if dataset.original_encoding[0] else ExplicitVRLittleEndian)
     dataset.filename = str(path)
     # pydicom leaves the stream at the tag of the element it stopped before.
     position = stream.tell()
@@ -171,7 +178,7 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         study_uid = uid_value(dataset, "StudyInstanceUID")
         series_uid = uid_value(dataset, "SeriesInstanceUID")
         if not study_uid or not series_uid:
-            if _has_dicom_preamble(path):
+            if _looks_like_dicom(path):
                 # pydicom returns what it could read of a cut file; an object without its UIDs is damaged.
                 missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
                                                        ("SeriesInstanceUID", series_uid)) if not v)
@@ -227,7 +234,7 @@ def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | Non
             return None
         raise DicomInputError(f"{path}: cannot be read ({error.strerror or error})") from error
     except Exception as error:  # pydicom raises many types on damaged files
-        if _has_dicom_preamble(path):
+        if _looks_like_dicom(path):
             raise DicomInputError(f"{path}: corrupt DICOM file ({type(error).__name__}: {error})") from error
         _skip(skipped, path, "not a DICOM file")
         return None
@@ -238,10 +245,21 @@ def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | Non
     return instance
 
 
-def _has_dicom_preamble(path: Path) -> bool:
+def _looks_like_dicom(path: Path) -> bool:
+    """Whether the file starts as DICOM does: the preamble and "DICM", or a dataset's first tag."""
     with path.open("rb") as stream:
-        stream.seek(128)
-        return stream.read(4) == b"DICM"
+        head = stream.read(132)
+    return _has_preamble(head) or _starts_as_a_dataset(head)
+
+
+def _has_preamble(head: bytes) -> bool:
+    return head[128:132] == b"DICM"
+
+
+def _starts_as_a_dataset(head: bytes) -> bool:
+    """A little-endian dataset without preamble: its first element is in the file meta (group 0002) or the
+    identifying group 0008, where every image's first elements are."""
+    return len(head) >= 8 and head[:2] in (b"\x02\x00", b"\x08\x00")
 
 
 def _skip(skipped: list[tuple[Path, str]], path: Path, reason: str) -> None:
