@@ -87,6 +87,25 @@ def test_segments_carry_names_and_coded_anatomy(tmp_path):
     assert descriptions[5].SegmentedPropertyTypeCodeSequence[0].CodeValue == "108369006"  # Neoplasm
 
 
+def test_left_and_right_structures_differ_by_a_laterality_modifier(tmp_path):
+    series, volume = study(tmp_path / "study")
+    label_map = multi_label(volume)
+    labels = {1: "kidney_left", 2: "Right Kidney", 4: "left atrium", 5: "spleen"}
+    path = write_seg(build_seg(label_map, volume.source_datasets, labels, Algorithm("algo", "1")),
+                     tmp_path / "seg.dcm")
+    assert dciodvfy_errors(path) == []
+    types = {d.SegmentNumber: d.SegmentedPropertyTypeCodeSequence[0] for d in pydicom.dcmread(path).SegmentSequence}
+
+    def modifiers(number):
+        found = types[number].get("SegmentedPropertyTypeModifierCodeSequence", [])
+        return [(modifier.CodeValue, modifier.CodeMeaning) for modifier in found]
+
+    assert types[1].CodeValue == types[2].CodeValue == "64033007"  # Kidney, both
+    assert modifiers(1) == [("7771000", "Left")] and modifiers(2) == [("24028007", "Right")]
+    assert types[4].CodeValue == "82471001" and modifiers(4) == []  # Left atrium is its own structure
+    assert modifiers(5) == []
+
+
 def test_seg_works_when_the_source_lacks_optional_patient_attributes(tmp_path):
     series, volume = study(tmp_path / "study", patient=Patient(birth_date=None, sex=None))
     assert "PatientBirthDate" not in series.header and "PatientSex" not in series.header
@@ -203,6 +222,7 @@ ANATOMY, ABNORMAL, OBJECT, TISSUE = ("91723000", "49755003", "260787004", "85756
     ("kidney_left", ANATOMY, ("SCT", "64033007")),
     ("left atrium", ANATOMY, ("SCT", "82471001")),  # a structure of its own, not "Atrium"
     ("inferior_vena_cava", ANATOMY, ("SCT", "64131007")),
+    ("urinary_bladder", ANATOMY, ("SCT", "89837001")),  # SNOMED's "Urinary bladder structure": CID 7192 Bladder
     ("tumor", ABNORMAL, ("SCT", "108369006")),  # CID 7194 Neoplasm
     ("tumour", ABNORMAL, ("SCT", "108369006")),
     ("lesion", ABNORMAL, ("SCT", "52988006")),

@@ -32,7 +32,7 @@ from medserve.errors import DicomInputError
 from medserve.writers.files import atomic_output
 from medserve.writers.labels import label_array
 
-_LATERALITY_WORDS = {"left", "right", "l", "r"}
+_LATERALITY_WORDS = {"left": "Left", "right": "Right", "l": "Left", "r": "Right"}  # CID 244 keywords
 # DICOM PS3.16 CID 7150 (Segmentation Property Categories) and, for each category, the context group its
 # Segmented Property Type comes from. When a concept is in more than one group, the first listed wins: an
 # artery is an Anatomical Structure (7192) before a Tissue (7191); "background"/"normal" are Spatial and
@@ -98,27 +98,50 @@ def segment_concept(label: str) -> tuple[Code, Code]:
 
     The name's words (laterality words kept, then dropped: "left atrium" is a structure of its own, "Right
     Kidney" is a Kidney) are matched case-insensitively against the keywords of CIDs 7191-7198, then as a
-    SNOMED CT keyword whose code is in one of them; a name that matches neither is (Tissue, Tissue).
+    SNOMED CT keyword (or that of its "... structure") whose code is in one of them; a name that matches neither
+    is (Tissue, Tissue).
     """
+    category, kind, _ = _segment_coding(label)
+    return category, kind
+
+
+def laterality_modifier(label: str) -> Code | None:
+    """The laterality (CID 244) a label name states beyond its coded structure, for the segment's type modifier:
+    "kidney_left" is a Kidney modified Left, "left atrium" a structure of its own with no modifier. Without a
+    modifier, a bundle's left and right kidneys would be coded alike."""
+    return _segment_coding(label)[2]
+
+
+@functools.lru_cache(maxsize=1024)
+def _segment_coding(label: str) -> tuple[Code, Code, Code | None]:
     words = [_SPELLINGS.get(w.lower(), w) for w in re.split(r"[^0-9A-Za-z]+", label) if w]
+    sides = {w.lower() for w in words} & _LATERALITY_WORDS.keys()
     structure_words = [w for w in words if w.lower() not in _LATERALITY_WORDS]
-    for candidate in (words, structure_words):
+    for candidate, laterality in ((words, None), (structure_words, _laterality(sides))):
         found = _lookup_concept("".join(w.capitalize() for w in candidate)) if candidate else None
         if found is not None:
-            return found
-    return codes.cid7150.Tissue, codes.cid7191.Tissue
+            return (*found, laterality)
+    return codes.cid7150.Tissue, codes.cid7191.Tissue, None
+
+
+def _laterality(sides: set[str]) -> Code | None:
+    named = {_LATERALITY_WORDS[side] for side in sides}
+    if not named:
+        return None
+    return getattr(codes.cid244, named.pop()) if len(named) == 1 else codes.cid244.Bilateral
 
 
 @functools.lru_cache(maxsize=1024)
 def _lookup_concept(keyword: str) -> tuple[Code, Code] | None:
     by_keyword, by_code = _segmentation_concepts()
     found = by_keyword.get(keyword.lower())
-    if found is None:
-        try:
-            code = getattr(codes.SCT, keyword)
-        except AttributeError:
-            return None
-        found = by_code.get((code.scheme_designator, code.value))
+    # SNOMED CT names body structures "<name> structure" ("Urinary bladder structure" is the groups' Bladder).
+    for snomed_keyword in (keyword, f"{keyword}Structure", f"StructureOf{keyword}"):
+        if found is not None:
+            break
+        code = getattr(codes.SCT, snomed_keyword, None)
+        if code is not None:
+            found = by_code.get((code.scheme_designator, code.value))
     return found
 
 
@@ -141,22 +164,27 @@ def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[s
     return by_keyword, by_code
 
 
-def segment_descriptions(labels: dict[int, str], numbers: list[int], algorithm: Algorithm) -> list[hd.seg.SegmentDescription]:
+def segment_descriptions(labels: dict[int, str], numbers: list[int],
+                         algorithm: Algorithm) -> list[hd.seg.SegmentDescription]:
     identification = hd.AlgorithmIdentificationSequence(
         name=_long_string(algorithm.name), version=_long_string(algorithm.version or "0"),
         family=codes.cid7162.ArtificialIntelligence)
     descriptions = []
     for number in numbers:
         label = labels.get(number, f"label {number}")
-        category, kind = segment_concept(label)
-        descriptions.append(hd.seg.SegmentDescription(
+        category, kind, laterality = _segment_coding(label)
+        description = hd.seg.SegmentDescription(
             segment_number=number,
             segment_label=_long_string(label),
             segmented_property_category=category,
             segmented_property_type=kind,
             algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
             algorithm_identification=identification,
-        ))
+        )
+        if laterality is not None:  # highdicom's constructor takes no modifier; the module nests it in the type
+            description.SegmentedPropertyTypeCodeSequence[0].SegmentedPropertyTypeModifierCodeSequence = [
+                hd.sr.CodedConcept(laterality.value, laterality.scheme_designator, laterality.meaning)]
+        descriptions.append(description)
     return descriptions
 
 
