@@ -205,6 +205,20 @@ def test_unthresholded_multi_label_output_is_refused(tmp_path):
         BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
 
 
+def test_an_output_named_otherwise_in_the_metadata_still_reaches_the_postprocessing_as_pred(tmp_path, threshold_bundle):
+    """MONAI's evaluator puts the network output under "pred" whatever the metadata calls it, and bundles'
+    postprocessing reads it there; the metadata's name only finds the channel_def."""
+    bundle = tmp_path / "seg_output"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata = json.loads((bundle / "configs" / "metadata.json").read_text())
+    metadata["network_data_format"]["outputs"] = {"seg": {"channel_def": {"0": "background", "1": "organ"}}}
+    (bundle / "configs" / "metadata.json").write_text(json.dumps(metadata))
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    volume, _ = phantom_volume()
+    assert dice(predictor.predict(volume), volume.array > THRESHOLD_HU) > 0.9
+    assert predictor.labels == {1: "organ"}
+
+
 def test_torchscript_weights_load(tmp_path, threshold_bundle):
     bundle = tmp_path / "ts"
     shutil.copytree(threshold_bundle, bundle)
@@ -215,6 +229,46 @@ def test_torchscript_weights_load(tmp_path, threshold_bundle):
     volume, _ = phantom_volume()
     label_map = BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
     assert dice(label_map, volume.array > THRESHOLD_HU) > 0.93
+
+
+def test_torchscript_needs_no_network_def(tmp_path, threshold_bundle):
+    bundle = tmp_path / "ts_only"
+    shutil.copytree(threshold_bundle, bundle)
+    network = torch.nn.Conv3d(1, 2, 1)
+    network.load_state_dict(torch.load(bundle / "models" / "model.pt"))
+    torch.jit.script(network).save(str(bundle / "models" / "model.ts"))
+    (bundle / "models" / "model.pt").unlink()
+    config = json.loads((bundle / "configs" / "inference.json").read_text())
+    del config["network_def"]
+    (bundle / "configs" / "inference.json").write_text(json.dumps(config))
+    volume, _ = phantom_volume()
+    assert dice(BundlePredictor.from_dir(bundle, device="cpu").predict(volume), volume.array > THRESHOLD_HU) > 0.9
+
+
+def test_torchscript_saved_as_model_pt_is_refused_saying_to_rename_it(tmp_path, threshold_bundle):
+    bundle = tmp_path / "ts_as_pt"
+    shutil.copytree(threshold_bundle, bundle)
+    network = torch.nn.Conv3d(1, 2, 1)
+    torch.jit.script(network).save(str(bundle / "models" / "model.pt"))
+    with pytest.raises(BundleError, match=r"models/model.pt: a TorchScript model, where model.pt holds a state dict; "
+                                          r"rename it to models/model.ts$"):
+        BundlePredictor.from_dir(bundle, device="cpu")
+
+
+@pytest.mark.parametrize("declared,message", [
+    ({"num_channels": 4, "spatial_shape": [128, 128, 128]},
+     r"num_channels is 4; medserve feeds a bundle one series, a single-channel image"),
+    ({"num_channels": 1, "spatial_shape": [512, 512]}, r"spatial_shape \[512, 512\] is 2D; medserve feeds a bundle a "
+                                                       r"3D volume"),
+], ids=["four-channels", "2d"])
+def test_an_input_other_than_one_3d_image_is_refused_when_loading(tmp_path, threshold_bundle, declared, message):
+    bundle = tmp_path / "other_input"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata = json.loads((bundle / "configs" / "metadata.json").read_text())
+    metadata["network_data_format"]["inputs"] = {"image": {"type": "image", **declared}}
+    (bundle / "configs" / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(BundleError, match=r"^bundle other_input: metadata.json network_data_format.inputs " + message):
+        BundlePredictor.from_dir(bundle, device="cpu")
 
 
 def test_yaml_config_is_found(tmp_path, threshold_bundle):
@@ -467,8 +521,8 @@ def appended_to_postprocessing(step):
 
 @pytest.mark.parametrize("step,expected", [
     ({"_target_": "DeleteItemsd", "keys": "pred"},
-     r"postprocessing left no 'pred' \(keys: image\); expected the label map or class scores under the output named "
-     r"in the metadata's network_data_format.outputs"),
+     r"postprocessing left no 'pred' \(keys: image\); expected the label map or class scores under 'pred', where "
+     r"MONAI's evaluators put the network output"),
     ("$lambda d: [d]", r"postprocessing returned a list; expected a dict holding the prediction under 'pred'"),
     ("$lambda d: {**d, 'pred': 'labels'}",
      r"postprocessing left 'pred' as builtins.str of dtype <U6; expected a tensor or array of labels or class scores"),

@@ -20,6 +20,7 @@ import contextlib
 import logging
 import re
 import threading
+import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 from monai.bundle import ConfigParser
 from monai.data import MetaTensor
+from monai.utils import CommonKeys
 
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from medserve.bundle.imports import bundle_code
@@ -51,6 +53,9 @@ _IMPORT_RACE_ATTEMPTS = 5
 _CAUSE_CHARACTERS = 500
 # MONAI's Compose wraps a transform's error in RuntimeError("applying transform <its repr>") from the original.
 _MONAI_TRANSFORM_FAILURE = re.compile(r"applying transform <?([\w.]+)")
+# Where MONAI's evaluators put the network output, whatever the metadata names the output ("seg", "label"): a
+# bundle's postprocessing reads it there.
+_PREDICTION_KEY = str(CommonKeys.PRED)
 # A config value that is nothing but a reference to another entry: "@id" or "$@id" (ids nest with :: or #).
 _REFERENCE = re.compile(r"^\$?@([\w#:]+)$")
 
@@ -169,7 +174,7 @@ class BundlePredictor:
         self.device = device
         self.network = network
         self.image_key = str(parser.get("image_key", "image"))
-        self.output_key = layout.output_key
+        self.output_key = _PREDICTION_KEY
         self.labels = layout.labels()
         try:
             self.inferer = parser.get_parsed_content("inferer")
@@ -202,6 +207,7 @@ class BundlePredictor:
         """
         device = resolve_device(device)
         layout = BundleLayout.find(path)
+        _check_input_format(layout)
         for attempt in range(_IMPORT_RACE_ATTEMPTS):
             try:
                 with bundle_code(layout.root):
@@ -336,8 +342,8 @@ class BundlePredictor:
                                  f"prediction under '{self.output_key}'")
         if self.output_key not in data:
             raise InferenceError(f"{where} left no '{self.output_key}' (keys: {', '.join(map(str, data))}); expected "
-                                 f"the label map or class scores under the output named in the metadata's "
-                                 f"network_data_format.outputs")
+                                 f"the label map or class scores under '{self.output_key}', where MONAI's evaluators "
+                                 f"put the network output")
         prediction = data[self.output_key]
         if isinstance(prediction, torch.Tensor):
             return prediction.detach().cpu()
@@ -457,10 +463,12 @@ def _parse_config(layout: BundleLayout, device: torch.device) -> ConfigParser:
         parser.read_config(str(layout.config_path))
     except Exception as error:  # json/yaml decoders raise their own types
         raise BundleError(f"{layout.config_path}: cannot read config ({type(error).__name__}: {error})") from error
-    for key in ("network_def", "preprocessing", "inferer"):
+    required = ("preprocessing", "inferer") if layout.weights_path.suffix == ".ts" else \
+        ("network_def", "preprocessing", "inferer")  # TorchScript holds its network
+    for key in required:
         if key not in parser:
             raise BundleError(f"{layout.config_path}: '{key}' is missing; a segmentation bundle's inference "
-                              f"config defines network_def, preprocessing, inferer (and postprocessing)")
+                              f"config defines {', '.join(required)} (and postprocessing)")
     parser["bundle_root"] = str(layout.root)
     parser["device"] = f"$torch.device('{device}')"
     _inferer_on_the_device(parser)
@@ -567,6 +575,9 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
         except Exception as error:  # torch.jit raises RuntimeError or its own error types
             raise BundleError(f"{layout.weights_path}: not a loadable TorchScript model ({error})") from error
         return network.eval()
+    if _is_torchscript(layout.weights_path):  # torch.load's own error suggests unpickling it unsafely instead
+        raise BundleError(f"{layout.weights_path}: a TorchScript model, where model.pt holds a state dict; rename it "
+                          f"to models/model.ts")
     network = build_network(layout.config_path, parser)
     try:
         checkpoint = torch.load(str(layout.weights_path), map_location="cpu", weights_only=True)
@@ -583,3 +594,28 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
         raise BundleError(f"{layout.weights_path}: weights do not fit network_def "
                           f"{type(network).__name__} in {layout.config_path.name}: {summary}") from error
     return network.to(device).eval()
+
+
+def _is_torchscript(path: Path) -> bool:
+    """Whether `path` is a TorchScript archive: a zip whose records hold the scripted code (`<name>/code/`)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any("/code/" in name for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _check_input_format(layout: BundleLayout) -> None:
+    """A bundle whose input is not one 3D image (a BraTS-style 4-channel input, a 2D model) is refused before
+    it is loaded, from what its metadata declares, rather than failing deep in its network."""
+    inputs = layout.metadata.get("network_data_format", {}).get("inputs", {})
+    image = next(iter(inputs.values()), None) if isinstance(inputs, dict) else None
+    if not isinstance(image, dict):
+        return
+    channels, shape = image.get("num_channels"), image.get("spatial_shape")
+    where = f"bundle {layout.name}: {layout.metadata_path.name} network_data_format.inputs"
+    if isinstance(channels, int) and channels != 1:
+        raise BundleError(f"{where} num_channels is {channels}; medserve feeds a bundle one series, a single-channel "
+                          f"image (a multi-sequence input needs its own app)")
+    if isinstance(shape, list) and len(shape) == 2:
+        raise BundleError(f"{where} spatial_shape {shape} is 2D; medserve feeds a bundle a 3D volume")
