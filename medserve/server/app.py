@@ -27,6 +27,7 @@ from medserve.server.errors import (ApiError, api_error_handler, core_error_hand
                                     validation_error_handler)
 from medserve.server.inputs import MAX_JSON_BYTES, InputSpec, limited, media_type, parse_input
 from medserve.server.jobs import STATES, JobQueue
+from medserve.server.lock import lock_data_dir
 from medserve.server.metrics import Metrics
 from medserve.server.runner import execute_async, pull
 from medserve.server.store import ModelStore, check_model_name
@@ -65,13 +66,20 @@ def _truthy(value: Any) -> bool:
 
 
 def create_app(config: ServerConfig) -> FastAPI:
-    for folder in (config.data_dir, config.uploads_dir, config.jobs_dir, config.tmp_dir):
-        folder.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(config.tmp_dir, ignore_errors=True)  # sync-request scratch from a previous run
-    config.tmp_dir.mkdir(parents=True, exist_ok=True)
-    metrics = Metrics()
-    store = ModelStore(config, on_change=metrics.store_changed)
-    jobs = JobQueue(config, store, metrics)
+    """The app, with the data dir taken for this process (DataDirInUse when another server holds it) before
+    anything in it is cleaned up or recovered; the lifespan's end gives it back."""
+    data_lock = lock_data_dir(config.data_dir)
+    try:
+        for folder in (config.data_dir, config.uploads_dir, config.jobs_dir, config.tmp_dir):
+            folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(config.tmp_dir, ignore_errors=True)  # sync-request scratch from a previous run
+        config.tmp_dir.mkdir(parents=True, exist_ok=True)
+        metrics = Metrics()
+        store = ModelStore(config, on_change=metrics.store_changed)
+        jobs = JobQueue(config, store, metrics)
+    except BaseException:
+        data_lock.close()
+        raise
     metrics.watch_jobs(jobs.counts)
     upload_store = UploadStore(config.uploads_dir, config.max_upload_bytes, config.upload_expiry_seconds)
     auth = Authenticator(load_tokens(config.tokens_file))
@@ -89,6 +97,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             jobs.stop()
             store.stop()
             jobs.close()
+            data_lock.close()
 
     app = FastAPI(title="medserve", version="0.1.0", lifespan=lifespan,
                   description="MONAI bundles served by folder name: DICOM in, DICOM SEG out.")
@@ -181,23 +190,34 @@ def create_app(config: ServerConfig) -> FastAPI:
         """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
         key = request.headers.get("idempotency-key")
         existing = jobs.find_idempotent(key) if key else None
-        if existing is not None and media_type(request) == "application/json" and request.query_params.get("model"):
+        named = request.query_params.get("model")
+
+        def job_model(options: dict[str, Any]) -> str:
+            """The model the request names, checked before its study is read (a big one takes a while)."""
+            model = named or options.get("model")
+            if not model:
+                raise ApiError(400, "no_model", "the 'model' field is missing: name the model with "
+                               "POST /v1/jobs?model=NAME or a 'model' field in the form or JSON body")
+            check_model_name(model)
+            if existing is None:  # a replay is answered even if its model has left the store since
+                store.entry(model)
+            return model
+
+        if named:
+            job_model({})
+        if existing is not None and media_type(request) == "application/json" and named:
             # A replay of {"upload": ID} named by the query: no need to extract that upload again (a big study
             # takes a while). Bodies that carry the study itself are read in full as usual.
             await limited(request, MAX_JSON_BYTES).body()
-            return _replayed(existing, check_model_name(request.query_params["model"]))
+            return _replayed(existing, named)
         job_id = jobs.new_id()
         folder = jobs.job_dir(job_id)
         try:
-            spec, options = await parse_input(request, folder / "input", config.max_upload_bytes)
-            model = request.query_params.get("model") or options.get("model")
-            if not model:
-                raise ApiError(400, "no_model", "name the model: POST /v1/jobs?model=NAME")
-            check_model_name(model)
+            spec, options = await parse_input(request, folder / "input", config.max_upload_bytes, job_model)
+            model = job_model(options)
             if existing is not None:
                 shutil.rmtree(folder, ignore_errors=True)
                 return _replayed(existing, model)
-            store.entry(model)
             writeback = _truthy(request.query_params.get("writeback", options.get("writeback", False)))
             if writeback and spec.kind != "dicomweb":
                 raise ApiError(400, "writeback_needs_dicomweb", "writeback only applies to DICOMweb inputs")

@@ -105,11 +105,22 @@ class Client:
             raise ClientError(f"server answered {response.status_code}: {message}")
         return response
 
-    def get(self, path: str, **params: Any) -> Any:
+    def _unreachable(self, error: Exception) -> ClientError:
+        return ClientError(f"cannot reach the medserve server at {self.url}: {error}")
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> Any:
+        """One request; its JSON answer, or a ClientError for an error status or a server that cannot be reached
+        (which the CLI prints as one line, not as httpx's traceback)."""
         try:
-            return self._check(self.http.get(path, params=params)).json()
-        except httpx.ConnectError as error:
-            raise ClientError(f"cannot reach the server at {self.url}: {error}") from error
+            return self._check(self.http.request(method, path, **kwargs)).json()
+        except httpx.TransportError as error:
+            raise self._unreachable(error) from error
+
+    def get(self, path: str, **params: Any) -> Any:
+        return self._send("GET", path, params=params)
+
+    def delete(self, path: str) -> Any:
+        return self._send("DELETE", path)
 
     def upload(self, path: Path, progress: Callable[[int, int], None] | None = None) -> str:
         """tus upload of `path`, resuming an earlier partial upload of the same bytes to this server; returns the
@@ -134,15 +145,17 @@ class Client:
                         progress(uploader.offset, size)
                 return uploader.url.rstrip("/").rsplit("/", 1)[-1]
             except (TusCommunicationError, TusUploadFailed) as error:
-                if attempt == 0 and getattr(error, "status_code", None) in (404, 410):
+                if error.status_code is None:  # no answer at all: tuspy wraps the connection error
+                    raise self._unreachable(error) from error
+                if attempt == 0 and error.status_code in (404, 410):
                     storage.remove_item(fingerprint.key)
                     continue
-                raise ClientError(f"upload failed: {error} {getattr(error, 'response_content', '')!r}") from error
+                raise ClientError(f"upload failed: {error}: {error.response_content!r}") from error
         raise ClientError("upload failed twice")
 
     def submit(self, model: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
         headers = {"Idempotency-Key": key} if key else {}
-        return self._check(self.http.post("/v1/jobs", params={"model": model}, json=body, headers=headers)).json()
+        return self._send("POST", "/v1/jobs", params={"model": model}, json=body, headers=headers)
 
     def wait(self, job_id: str, on_update: Callable[[dict[str, Any]], None] | None = None,
              timeout: float = 24 * 3600, interval: float = 0.25) -> dict[str, Any]:
@@ -160,13 +173,16 @@ class Client:
     def download(self, job_id: str, target: Path, fmt: str | None = None) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         params = {"format": fmt} if fmt else {}
-        with self.http.stream("GET", f"/v1/jobs/{job_id}/result", params=params) as response:
-            if response.status_code >= 400:
-                response.read()
-                self._check(response)
-            partial = target.with_suffix(target.suffix + ".partial")
-            with open(partial, "wb") as out:
-                for block in response.iter_bytes(1024 * 1024):
-                    out.write(block)
-            partial.replace(target)
+        partial = target.with_suffix(target.suffix + ".partial")
+        try:
+            with self.http.stream("GET", f"/v1/jobs/{job_id}/result", params=params) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    self._check(response)
+                with open(partial, "wb") as out:
+                    for block in response.iter_bytes(1024 * 1024):
+                        out.write(block)
+        except httpx.TransportError as error:
+            raise self._unreachable(error) from error
+        partial.replace(target)
         return target

@@ -40,6 +40,24 @@ def _positive(text: str) -> float:
     return value
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """A sub-command parser that takes options between positionals. Plain argparse matches all the positionals
+    it can at the first one, so an optional STUDY_DIR after `-o out` is taken as absent and then refused as an
+    unrecognized argument. The sub-command parser is reached through `parse_known_args` (that is what
+    argparse's sub-parsers action calls), so that is where the intermixed parsing goes in."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._intermixing:  # parse_known_intermixed_args calls back here for its two passes
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the model server on a bundle store")
     serve.add_argument("--store", type=Path, default=Path("bundles"), help="bundle store folder (default bundles/)")
@@ -66,6 +84,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=serve_command)
 
     infer = subparsers.add_parser("infer", help="run a model on a study through the server")
+    # `infer demo -o out STUDY`. Only here: the sub-parsers action builds every sub-command with one class, and
+    # other commands (packaging's `run`, which passes what follows `--` on) want plain parsing.
+    infer.__class__ = IntermixedParser
     infer.add_argument("name", help="model (bundle folder name)")
     infer.add_argument("study_dir", nargs="?", type=Path, help="folder of DICOM files to upload")
     infer.add_argument("-o", "--output", type=Path, default=Path("output"), help="output folder (default output/)")
@@ -227,7 +248,8 @@ def jobs_command(args: argparse.Namespace) -> int:
     params = {"limit": args.limit, **({"state": args.state} if args.state else {})}
     jobs = Client(args.url, args.token).get("/v1/jobs", **params)["jobs"]
     table = Table(title=f"jobs at {args.url}")
-    for column in ("id", "model", "state", "progress", "created", "total s", "error"):
+    table.add_column("id", no_wrap=True, min_width=32)  # whole: it is what `medserve job ID` takes
+    for column in ("model", "state", "progress", "created", "total s", "error"):
         table.add_column(column)
     for j in jobs:
         total = j["timings"].get("total_s")
@@ -244,11 +266,7 @@ def job_command(args: argparse.Namespace) -> int:
     from medserve.server.client import Client
 
     client = Client(args.url, args.token)
-    if args.cancel:
-        response = client._check(client.http.delete(f"/v1/jobs/{args.job_id}"))
-        job = response.json()
-    else:
-        job = client.get(f"/v1/jobs/{args.job_id}")
+    job = client.delete(f"/v1/jobs/{args.job_id}") if args.cancel else client.get(f"/v1/jobs/{args.job_id}")
     table = Table(title=f"job {job['id']}", show_header=False)
     table.add_column("field")
     table.add_column("value")

@@ -1,7 +1,9 @@
 """DICOMweb client side: WADO-RS pulls streamed to disk part by part, STOW-RS write-back of the SEG.
 
 Failures map to HTTP statuses the sync endpoints return as-is: store unreachable -> 502, store too slow -> 504,
-study/series unknown to the store -> 404. `retryable` tells the job runner which ones to retry with backoff.
+study/series unknown to the store -> 404, an answer that is not what DICOMweb promises (parts that are not DICOM,
+a STOW-RS answer listing refused instances, whatever its status) -> 502. `retryable` tells the job runner which
+ones to retry with backoff.
 """
 
 from __future__ import annotations
@@ -17,16 +19,29 @@ from urllib.parse import quote
 import httpx
 
 from medserve.server.errors import ApiError
+from medserve.server.inputs import sniff
 
 log = logging.getLogger("medserve.server.dicomweb")
 
 ACCEPT_DICOM = 'multipart/related; type="application/dicom"; transfer-syntax=*'
+
+FAILED_SOP_SEQUENCE = "00081198"
+FAILURE_REASON = "00081197"
+# PS3.18 Table 10.5.3-1 / PS3.4 Annex C: the failure reasons STOW-RS stores give.
+FAILURE_REASONS = {0x0110: "processing failure", 0x0122: "SOP class not supported", 0x0124: "not authorized",
+                   0xA700: "out of resources", 0xA900: "data set does not match SOP class",
+                   0xC000: "cannot understand", 0xC122: "transfer syntax not supported"}
 
 
 class DicomWebError(ApiError):
     def __init__(self, status: int, code: str, message: str, retryable: bool) -> None:
         super().__init__(status, code, message)
         self.retryable = retryable
+
+
+def _bad_part(path: str, index: int, problem: str) -> DicomWebError:
+    return DicomWebError(502, "dicomweb_bad_response",
+                         f"part {index + 1} of the store's answer for {path} {problem}", False)
 
 
 def _boundary(content_type: str) -> bytes:
@@ -37,9 +52,21 @@ def _boundary(content_type: str) -> bytes:
     raise DicomWebError(502, "dicomweb_bad_response", f"store answered {content_type!r} without a boundary", False)
 
 
-def split_multipart(chunks: Iterable[bytes], boundary: bytes, open_part: Callable[[], BinaryIO]) -> int:
-    """Incremental multipart/related parser: writes each part's body to a new file from `open_part` while the
-    bytes arrive, holding at most one network chunk plus a delimiter in memory. Returns the number of parts."""
+def _part_headers(block: bytes) -> dict[str, str]:
+    """A part's header lines, names lower-cased."""
+    headers = {}
+    for line in block.decode("latin-1").split("\r\n"):
+        name, colon, value = line.partition(":")
+        if colon:
+            headers[name.strip().lower()] = value.strip()
+    return headers
+
+
+def split_multipart(chunks: Iterable[bytes], boundary: bytes,
+                    open_part: Callable[[dict[str, str]], BinaryIO]) -> int:
+    """Incremental multipart/related parser: writes each part's body to a new file from `open_part(headers)`
+    while the bytes arrive, holding at most one network chunk plus a delimiter in memory. Returns the number of
+    parts."""
     delim = b"\r\n--" + boundary
     keep = len(delim) + 4
     buf = b"\r\n"  # lets the first boundary (at the very start of the body) match `delim`
@@ -72,13 +99,13 @@ def split_multipart(chunks: Iterable[bytes], boundary: bytes, open_part: Callabl
                     buf, state = buf[eol + 2:], "headers"
                 if state == "headers":
                     if buf.startswith(b"\r\n"):
-                        buf = buf[2:]
+                        head, buf = b"", buf[2:]
                     else:
                         end = buf.find(b"\r\n\r\n")
                         if end < 0:
                             break
-                        buf = buf[end + 4:]
-                    out, state = open_part(), "body"
+                        head, buf = buf[:end], buf[end + 4:]
+                    out, state = open_part(_part_headers(head)), "body"
     except BaseException:  # the stream broke off: close the part being written
         if out is not None:
             out.close()
@@ -107,8 +134,13 @@ class DicomWebClient:
         dest.mkdir(parents=True, exist_ok=True)
         counter = iter(range(10**9))
 
-        def open_part() -> BinaryIO:
-            return open(dest / f"{next(counter):06d}.dcm", "wb")
+        def open_part(headers: dict[str, str]) -> BinaryIO:
+            # A part without a Content-Type is let through: the DICM marker check below still applies.
+            kind = headers.get("content-type", "application/dicom").split(";")[0].strip().lower()
+            index = next(counter)
+            if kind != "application/dicom":
+                raise _bad_part(path, index, f"is {kind!r}, not application/dicom")
+            return open(dest / f"{index:06d}.dcm", "wb")
 
         try:
             with httpx.stream("GET", self.url + path, headers={"Accept": ACCEPT_DICOM}, timeout=self.timeout) as r:
@@ -123,6 +155,9 @@ class DicomWebClient:
             raise self._fail(error, "retrieve") from error
         if count == 0:
             raise DicomWebError(404, "not_in_store", f"{path}: the store returned no instances", False)
+        for index, part in enumerate(sorted(dest.iterdir())):
+            if sniff(part) != "dicom":  # the store's fault, not the client's: not a 400 bad_dicom later
+                raise _bad_part(path, index, "is not a DICOM file (no 'DICM' marker at byte 128)")
         log.info("pulled %d instances of %s", count, path)
         return count
 
@@ -145,13 +180,39 @@ class DicomWebClient:
             r = httpx.post(self.url + "/studies", content=body(), headers=headers, timeout=self.timeout)
         except httpx.HTTPError as error:
             raise self._fail(error, "store") from error
+        try:
+            answer = r.json()
+        except ValueError:
+            answer = {}
+        # A store may take some instances and refuse others (200 or 202), or refuse all (409): either way the
+        # refused ones are listed in the Failed SOP Sequence, whatever the status says.
+        refused = _refused_instances(answer)
+        if refused:
+            reasons = ", ".join(sorted({_failure_reason(item) for item in refused}))
+            raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered {r.status_code} but the store "
+                                f"refused {len(refused)} of {len(files)} instances (failure reasons: {reasons})",
+                                False)
         if r.status_code >= 400:
             raise DicomWebError(502, "dicomweb_store_failed", f"STOW-RS answered {r.status_code}: {r.text[:200]}",
                                 r.status_code >= 500)
-        try:
-            return r.json()
-        except ValueError:
-            return {}
+        return answer if isinstance(answer, dict) else {}
+
+
+def _refused_instances(answer: object) -> list[dict]:
+    """The items of a STOW-RS answer's Failed SOP Sequence (0008,1198), in DICOM JSON."""
+    sequence = answer.get(FAILED_SOP_SEQUENCE) if isinstance(answer, dict) else None
+    items = sequence.get("Value") if isinstance(sequence, dict) else None
+    return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+
+
+def _failure_reason(item: dict) -> str:
+    """An item's Failure Reason (0008,1197) as `0xA700 (out of resources)`; "unknown" when it has none."""
+    values = (item.get(FAILURE_REASON) or {}).get("Value") or [None]
+    code = values[0]
+    if not isinstance(code, int):
+        return "unknown"
+    name = FAILURE_REASONS.get(code)
+    return f"0x{code:04X}" + (f" ({name})" if name else "")
 
 
 def with_retries(action: Callable[[], object], retries: int, backoff: float,

@@ -13,6 +13,7 @@ import shutil
 import stat
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -247,8 +248,12 @@ def media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[InputSpec, dict[str, Any]]:
-    """Read the request into `dest`; returns the input and the options found beside it (format, writeback)."""
+async def parse_input(request: Request, dest: Path, max_bytes: int,
+                      check: Callable[[dict[str, Any]], object] | None = None) -> tuple[InputSpec, dict[str, Any]]:
+    """Read the request into `dest`; returns the input and the options found beside it (format, writeback,
+    model). `check(options)` runs as soon as the options are known, before the study is stored or extracted,
+    and may raise to refuse the request (an unknown model) without that work."""
+    check = check or (lambda options: None)
     dest.mkdir(parents=True, exist_ok=True)
     content_type = media_type(request)
     uploads = request.app.state.uploads
@@ -260,6 +265,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
         if not isinstance(body, dict):
             raise ApiError(400, "bad_json", "request body must be a JSON object")
         options = {k: body[k] for k in ("format", "writeback", "model") if k in body}
+        check(options)
         if "upload" in body:
             path = uploads.finished(str(body["upload"]))
             spec = await anyio.to_thread.run_sync(stage_file, path, dest, max_bytes, True)
@@ -289,6 +295,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
             raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {error}") from error
         try:
             options = {k: v for k, v in form.items() if k in ("format", "writeback", "model") and isinstance(v, str)}
+            check(options)
             parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
             if not parts:
                 raise ApiError(400, "empty_input", "the multipart body holds no files")
@@ -317,10 +324,12 @@ async def parse_input(request: Request, dest: Path, max_bytes: int) -> tuple[Inp
         return InputSpec("dicom", dest / "dicom"), options
     if content_type in ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",
                         "application/x-nifti"):
+        options = dict(request.query_params)
+        check(options)
         target = dest / "body"
         await _save_body(request, target, max_bytes)
         spec = await anyio.to_thread.run_sync(stage_file, target, dest, max_bytes, True)
         target.unlink()  # extracted, or hard-linked into place
-        return spec, dict(request.query_params)
+        return spec, options
     raise ApiError(415, "unsupported_media_type",
                    "send multipart/form-data files, a zip/DICOM/NIfTI body, or JSON {upload} / {study, series}")

@@ -4,8 +4,13 @@ Crash rule: results are written to `jobs/ID/result.tmp` and renamed to `jobs/ID/
 `succeeded`, so a finished job always has its files. On start, rows left `running` by a dead server are put
 back to `queued` (attempt counter kept) and run again; after `job_max_attempts` interrupted attempts a job is
 `failed` with the reason, so a job that crashes the server cannot crash it forever.
+Stop rule: a clean stop (SIGTERM) claims no more jobs and gives running ones STOP_GRACE_S to finish, and those
+that do are recorded; a job still running then, or waiting for its model, goes back to the queue with its attempt
+given back, since a stop is no crash.
 Cancel: a queued job is cancelled at once; a running one is marked `cancelled`, its worker stops at the next
 stage boundary and drops whatever it produced (a forward pass in progress runs to its end).
+Progress: 1 once succeeded; a job that ended without a result (failed, cancelled) reports 0 rather than how far
+it got, so that no client reads a failed job as nearly done; its `error` says what stopped it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,13 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, created);
 """
+# Columns added since the first release, added to an older data dir's table at start: (name, type).
+LATER_COLUMNS = (("writeback_result", "TEXT"),)  # JSON {"target", "state", "error"} once the STOW-RS has ended
+
+STOP_GRACE_S = 5.0  # how long a stopping server waits for running jobs to finish
+# A clean stop interrupts a job through no fault of its own: back to the queue, the attempt given back.
+REQUEUE_ON_STOP = ("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, "
+                   "stage='requeued: the server stopped' WHERE state='running'")
 
 
 class Cancelled(Exception):
@@ -62,8 +74,8 @@ class Cancelled(Exception):
 
 
 class ServerStopping(Exception):
-    """The server is stopping: a running job goes back to the queue (or, once the database is closed, is left
-    `running` for `recover`) and runs again at the next start."""
+    """The server is stopping: a waiting job goes back to the queue (a running one is given the grace period, then
+    requeued by `close`) and runs again at the next start."""
 
 
 def _iso(ts: float | None) -> str | None:
@@ -85,6 +97,10 @@ class JobQueue:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")  # durable against a killed process, cheap commits
         self._db.executescript(SCHEMA)
+        present = {column["name"] for column in self._db.execute("PRAGMA table_info(jobs)")}
+        for name, kind in LATER_COLUMNS:
+            if name not in present:
+                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
         self._lock = threading.Lock()
         self._closed = False
         self._wake = threading.Condition()
@@ -102,7 +118,7 @@ class JobQueue:
     def recover(self) -> None:
         """Rows a killed server left `running`: rerun them, or fail them once they have used their attempts."""
         failed = self._exec(
-            "UPDATE jobs SET state='failed', finished=?, stage='interrupted', error=? "
+            "UPDATE jobs SET state='failed', finished=?, stage='interrupted', progress=0, outputs=NULL, error=? "
             "WHERE state='running' AND attempts >= ? RETURNING id",
             (time.time(), f"interrupted by a server crash or restart {self.config.job_max_attempts} times; "
              "not retried again", self.config.job_max_attempts))
@@ -113,6 +129,7 @@ class JobQueue:
             shutil.rmtree(self.root / row["id"] / "result.tmp", ignore_errors=True)
             shutil.rmtree(self.root / row["id"] / "work", ignore_errors=True)
         for row in failed:
+            shutil.rmtree(self.root / row["id"] / "result", ignore_errors=True)  # a failed job has no result
             self._drop_input(row["id"])
         if requeued or failed:
             log.warning("recovered after restart: %d jobs requeued, %d failed", len(requeued), len(failed))
@@ -189,7 +206,18 @@ class JobQueue:
             "segments": json.loads(row["segments"]) if row["segments"] else None,
             "outputs": sorted(outputs), "error": row["error"],
             "result_url": f"/v1/jobs/{row['id']}/result" if row["state"] == "succeeded" else None,
+            "writeback_result": self._writeback_result(row),
         }
+
+    def _writeback_result(self, row: sqlite3.Row) -> dict[str, Any] | None:
+        """How the STOW-RS of the SEG went: `done` or `failed` (with the store's reason) once tried, `pending`
+        before, `not_attempted` for a job that ended before it got there; None without writeback."""
+        if not row["writeback"]:
+            return None
+        if row["writeback_result"]:
+            return json.loads(row["writeback_result"])
+        state = "not_attempted" if row["state"] in FINAL else "pending"
+        return {"target": self.config.dicomweb_url, "state": state, "error": None}
 
     def result_path(self, job_id: str, fmt: str | None) -> tuple[Path, str]:
         row = self._row(job_id)
@@ -201,7 +229,10 @@ class JobQueue:
         fmt = fmt or ("seg" if "seg" in outputs else "nifti")
         if fmt not in outputs:
             raise ApiError(406, "format_unavailable", f"job {job_id} has no {fmt} output (has {sorted(outputs)})")
-        return self.job_dir(job_id) / "result" / outputs[fmt], fmt
+        path = self.job_dir(job_id) / "result" / outputs[fmt]
+        if not path.is_file():  # removed behind the server's back (a clean-up of the data dir)
+            raise ApiError(410, "result_gone", f"job {job_id}'s {fmt} result is no longer on the server")
+        return path, fmt
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         with self._lock:  # read and update in one step: a worker may claim or finish the job meanwhile
@@ -213,7 +244,7 @@ class JobQueue:
             was = row["state"]
             if was in FINAL:
                 raise ApiError(409, "job_finished", f"job {job_id} is already {was}")
-            self._db.execute("UPDATE jobs SET state='cancelled', finished=?, stage='cancelled', "
+            self._db.execute("UPDATE jobs SET state='cancelled', progress=0, finished=?, stage='cancelled', "
                              "error='cancelled by request' WHERE id=?", (time.time(), job_id))
         if was == "queued":
             self._drop_input(job_id)  # no worker will see it
@@ -229,16 +260,23 @@ class JobQueue:
             self._workers.append(thread)
 
     def stop(self) -> None:
+        """Claim no more jobs; running ones get STOP_GRACE_S (in all) to finish and be recorded."""
         self._stop.set()
         with self._wake:
             self._wake.notify_all()
+        deadline = time.monotonic() + STOP_GRACE_S
         for thread in self._workers:
-            thread.join(timeout=5)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
+        """Jobs still running after the grace period go back to the queue, without using up an attempt (a stop is
+        no crash); their workers, still busy, can then no longer record anything."""
         with self._lock:
+            requeued = self._db.execute(REQUEUE_ON_STOP + " RETURNING id").fetchall()
             self._closed = True
             self._db.close()
+        for row in requeued:
+            log.info("job %s still running at the stop; it runs again at the next start", row["id"])
 
     def _claim(self) -> sqlite3.Row | None:
         rows = self._exec(
@@ -261,22 +299,28 @@ class JobQueue:
             self._run(row)
 
     def _progress(self, job_id: str, stage: str, progress: float) -> None:
-        if self._stop.is_set():
-            raise ServerStopping()
+        """Record a stage of a running job; Cancelled when it is no longer running. A stopping server lets the
+        job go on: one that ends within the grace period is recorded, not thrown away (see `stop`)."""
         rows = self._exec("UPDATE jobs SET stage=?, progress=? WHERE id=? AND state='running' RETURNING id",
                           (stage, progress, job_id))
         if not rows:
             raise Cancelled()
+
+    def _waiting(self, job_id: str, stage: str, progress: float) -> None:
+        """A job waiting (for its model, or to retry the DICOM store): a stopping server puts it back in the queue
+        now rather than at the end of the grace period, since it has done nothing worth waiting for."""
+        if self._stop.is_set():
+            raise ServerStopping()
+        self._progress(job_id, stage, progress)
 
     def _run(self, row: sqlite3.Row) -> None:
         try:
             self._attempt(row)
         except ServerStopping:
             try:  # not the job's fault: it goes back to the queue without using up an attempt
-                self._exec("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, "
-                           "stage='requeued: the server stopped' WHERE id=? AND state='running'", (row["id"],))
+                self._exec(REQUEUE_ON_STOP + " AND id=?", (row["id"],))
             except ServerStopping:
-                pass  # the database is closed already: recover() re-runs it at the next start
+                pass  # the database is closed already, and `close` has requeued it
             log.info("job %s interrupted by the server's stop; it runs again at the next start", row["id"])
 
     def _attempt(self, row: sqlite3.Row) -> None:
@@ -295,9 +339,7 @@ class JobQueue:
                 # After the result is saved, so a re-run after a crash STOWs the same SEG instance again.
                 self._progress(job_id, "storing the SEG back (STOW-RS)", 0.95)
                 t = time.monotonic()
-                client = DicomWebClient(self.config.dicomweb_url or "", self.config.dicomweb_timeout)
-                with_retries(lambda: client.store([final / outputs["seg"]]), self.config.dicomweb_retries,
-                             self.config.dicomweb_backoff)
+                self._store_back(job_id, final / outputs["seg"])
                 timings["stow_s"] = time.monotonic() - t
             self._progress(job_id, "finishing", 0.99)
             timings["total_s"] = time.monotonic() - started
@@ -334,10 +376,12 @@ class JobQueue:
         if spec.kind == "dicomweb":
             self._progress(job_id, "pulling from the DICOM store", 0.1)
             t = time.monotonic()
-            spec = pull(self.config, spec, work, retry=True, on_retry=lambda n, e: self._progress(
+            spec = pull(self.config, spec, work, retry=True, on_retry=lambda n, e: self._waiting(
                 job_id, f"DICOM store failed ({e.code}); retry {n}", 0.1))
             timings["pull_s"] = time.monotonic() - t
-        outcome = execute(self.store, model, spec, tmp, nifti=True, on_stage=lambda s, p: self._progress(job_id, s, p))
+        outcome = execute(self.store, model, spec, tmp, nifti=True,
+                          on_stage=lambda stage, progress: self._progress(job_id, stage, progress),
+                          on_wait=lambda stage: self._waiting(job_id, stage, 0.3))
         timings.update(outcome.timings)
         result = outcome.result
         if self.metrics is not None:
@@ -357,16 +401,36 @@ class JobQueue:
             raise Cancelled()
         return outputs
 
+    def _store_back(self, job_id: str, seg: Path) -> None:
+        """STOW-RS the SEG to the configured store and record the outcome; a refusal fails the job."""
+        target = self.config.dicomweb_url or ""
+        client = DicomWebClient(target, self.config.dicomweb_timeout)
+        try:
+            with_retries(lambda: client.store([seg]), self.config.dicomweb_retries, self.config.dicomweb_backoff)
+        except DicomWebError as error:
+            message = f"storing the SEG back to {target} failed: {error.message}"
+            self._record_writeback(job_id, target, "failed", message)
+            raise DicomWebError(error.status, error.code, message, error.retryable) from error
+        self._record_writeback(job_id, target, "done", None)
+
+    def _record_writeback(self, job_id: str, target: str, state: str, error: str | None) -> None:
+        self._exec("UPDATE jobs SET writeback_result=? WHERE id=?",
+                   (json.dumps({"target": target, "state": state, "error": error}), job_id))
+
     def _succeed(self, job_id: str, timings: dict[str, float]) -> bool:
         """Mark a running job succeeded; False when it is no longer running (cancelled meanwhile)."""
         return bool(self._exec("UPDATE jobs SET state='succeeded', progress=1, stage='done', finished=?, timings=? "
                                "WHERE id=? AND state='running' RETURNING id", (time.time(), json.dumps(timings), job_id)))
 
     def _fail(self, job_id: str, message: str, timings: dict[str, float]) -> None:
+        """A failed job keeps no result, even one that was complete (a write-back the store refused): the result
+        endpoint serves succeeded jobs only, so its files could never be fetched, and it must not be listed as
+        if it could. Re-submitting the job makes it again."""
         log.warning("job %s failed: %s", job_id, message)
-        self._exec("UPDATE jobs SET state='failed', stage='failed', finished=?, error=?, timings=? "
-                   "WHERE id=? AND state='running'", (time.time(), message, json.dumps(timings), job_id))
-        shutil.rmtree(self.job_dir(job_id) / "result.tmp", ignore_errors=True)
+        self._exec("UPDATE jobs SET state='failed', stage='failed', progress=0, outputs=NULL, finished=?, error=?, "
+                   "timings=? WHERE id=? AND state='running'", (time.time(), message, json.dumps(timings), job_id))
+        for name in ("result.tmp", "result"):
+            shutil.rmtree(self.job_dir(job_id) / name, ignore_errors=True)
 
 
 def _unknown_job(job_id: str) -> ApiError:

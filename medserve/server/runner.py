@@ -50,12 +50,10 @@ def pull(config: ServerConfig, spec: InputSpec, dest: Path, retry: bool,
     return InputSpec("dicom", folder, spec.study, spec.series)
 
 
-def _run(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, nifti: bool, queued: float,
-         start: float) -> Outcome:
-    """Once admitted: the hot predictor (loaded now on a cold start), then the pipeline."""
+def _run(predictor: Any, spec: InputSpec, out_dir: Path, nifti: bool, queued: float, start: float) -> Outcome:
+    """Once admitted, with the predictor at hand (loaded just now on a cold start): the pipeline."""
     from medserve import pipeline
 
-    predictor = store.predictor(name)
     timings = {"queue_s": queued, "model_s": time.monotonic() - start - queued}
     run_start = time.monotonic()
     if isinstance(predictor, MapModel):
@@ -71,24 +69,25 @@ def _run(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, nifti: bo
 
 
 def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nifti: bool,
-            on_stage: Callable[[str, float], None]) -> Outcome:
+            on_stage: Callable[[str, float], None], on_wait: Callable[[str], None]) -> Outcome:
     """Job workers: run model `name` on a local input (dicom folder or NIfTI file); outputs land in `out_dir`.
-    Waits for the model in this thread for as long as it takes; `on_stage` raising (a cancelled job) stops it."""
+    Waits for the model in this thread for as long as it takes, calling `on_wait(stage)` every second, which may
+    raise to stop waiting (a cancelled job, a stopping server); `on_stage` reports the run's own stages."""
     start = time.monotonic()
-    on_stage("waiting for the model", 0.3)
-    _wait_while_settling(store, name, lambda: on_stage("waiting for the model's files to settle", 0.3))
-    with store.use(name, lambda: on_stage("waiting for the model", 0.3)) as queued:
+    on_wait("waiting for the model")
+    with store.use(name, lambda: on_wait("waiting for the model")) as queued:
+        # Only once admitted: the model's files may start changing while the job waits for its turn.
+        predictor = _settled_predictor(store, name, lambda: on_wait("waiting for the model's files to settle"))
         on_stage("inferring", 0.4)
-        return _run(store, name, spec, out_dir, nifti, queued, start)
+        return _run(predictor, spec, out_dir, nifti, queued, start)
 
 
-def _wait_while_settling(store: ModelStore, name: str, check: Callable[[], None]) -> None:
-    """Jobs: a model whose files are still being copied (or were just found at a restart) is waited for, where a
-    sync request gets 503 model_settling; `check` runs every second and may raise (a cancelled job)."""
+def _settled_predictor(store: ModelStore, name: str, check: Callable[[], None]) -> Any:
+    """Jobs: the predictor, once a model whose files are still being copied (or were just found at a restart)
+    has settled, where a sync request gets 503 model_settling; `check` runs every second and may raise."""
     while True:
         try:
-            store.predictor(name)  # loads it now on a cold start, as the run would
-            return
+            return store.predictor(name)  # loads it now on a cold start
         except ApiError as error:
             if error.code != "model_settling":
                 raise
@@ -101,5 +100,5 @@ async def execute_async(store: ModelStore, name: str, spec: InputSpec, out_dir: 
     thread of the model's own limiter."""
     start = time.monotonic()
     async with store.admit(name) as (queued, limiter):
-        return await anyio.to_thread.run_sync(lambda: _run(store, name, spec, out_dir, nifti, queued, start),
-                                              limiter=limiter)
+        return await anyio.to_thread.run_sync(
+            lambda: _run(store.predictor(name), spec, out_dir, nifti, queued, start), limiter=limiter)

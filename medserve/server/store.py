@@ -517,8 +517,9 @@ class ModelStore:
         check_model_name(name)
         with self._lock:
             entry = self._entries.get(name)
-        if entry is None:
-            raise ApiError(404, "unknown_model", f"no model {name!r} in the store ({self.root})")
+        if entry is None:  # the store's path is the server's business, not the client's
+            available = ", ".join(e.name for e in self.entries()) or "none"
+            raise ApiError(404, "unknown_model", f"no model {name!r} in the store; available: {available}")
         return entry
 
     def predictor(self, name: str) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import json
 import os
 import shutil
 import signal
@@ -198,11 +199,15 @@ def thr_server(make_server) -> ServerThread:
 
 class FakeDicomWeb:
     """A DICOMweb store on 127.0.0.1 that records what the server asks of it: every GET path, and the SOP Instance
-    UIDs of each STOW-RS. WADO-RS answers with the files of `study`; `on_stow` runs before a STOW is answered."""
+    UIDs of each STOW-RS. WADO-RS answers with the files of `study`, each part labelled `part_type`; `on_stow` runs
+    before a STOW is answered, with `stow_answer` (status, DICOM JSON body). A test may change the attributes."""
 
     def __init__(self, study: Path | None = None, on_stow: Callable[[], None] | None = None) -> None:
         self.paths: list[str] = []
         self.stowed: list[list[str]] = []
+        self.study = study
+        self.part_type = "application/dicom"
+        self.stow_answer: tuple[int, dict] = (200, {})
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -210,12 +215,12 @@ class FakeDicomWeb:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 fake.paths.append(self.path)
-                if study is None:
+                if fake.study is None:
                     self._answer(404, b"", "text/plain")
                     return
                 boundary = "fakeboundary"
-                body = b"".join(f"--{boundary}\r\nContent-Type: application/dicom\r\n\r\n".encode() + p.read_bytes()
-                                + b"\r\n" for p in sorted(study.iterdir())) + f"--{boundary}--\r\n".encode()
+                body = b"".join(f"--{boundary}\r\nContent-Type: {fake.part_type}\r\n\r\n".encode() + p.read_bytes()
+                                + b"\r\n" for p in sorted(fake.study.iterdir())) + f"--{boundary}--\r\n".encode()
                 self._answer(200, body, f'multipart/related; type="application/dicom"; boundary={boundary}')
 
             def do_POST(self) -> None:  # noqa: N802
@@ -225,7 +230,8 @@ class FakeDicomWeb:
                                     for part in parts])
                 if on_stow is not None:
                     on_stow()
-                self._answer(200, b"{}", "application/dicom+json")
+                status, answer = fake.stow_answer
+                self._answer(status, json.dumps(answer).encode(), "application/dicom+json")
 
             def _body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding") != "chunked":

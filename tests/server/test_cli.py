@@ -159,3 +159,33 @@ def test_infer_reruns_find_the_right_upload_and_job(thr_server, tmp_path: Path) 
     assert run.returncode == 0, run.stderr[-3000:]
     states = sorted(j["state"] for j in httpx.get(url + "/v1/jobs").json()["jobs"] if j["model"] == "late")
     assert states == ["failed", "succeeded"], states
+
+
+def test_infer_takes_options_before_the_study_and_jobs_shows_whole_ids(thr_server, tmp_path: Path) -> None:
+    """`medserve infer NAME -o OUT STUDY` (an option between the positionals) runs; the jobs table keeps each job
+    id whole on a narrow terminal, since that is what `medserve job ID` takes."""
+    from tests.server.conftest import small_study
+
+    env = {**os.environ, "MEDSERVE_CACHE": str(tmp_path / "cache"), "COLUMNS": "60"}
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    run = _cli("infer", "thr", "-o", str(tmp_path / "out"), str(study), "--url", thr_server.url, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert pydicom.dcmread(tmp_path / "out" / "seg.dcm").Modality == "SEG"
+    jobs = _cli("jobs", "--url", thr_server.url, env=env)
+    job_id = __import__("httpx").get(thr_server.url + "/v1/jobs").json()["jobs"][0]["id"]
+    assert jobs.returncode == 0 and job_id in jobs.stdout, jobs.stdout
+
+
+def test_client_commands_say_in_one_line_that_the_server_is_down(tmp_path: Path) -> None:
+    from tests.server.conftest import free_port, small_study
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    env = {**os.environ, "MEDSERVE_CACHE": str(tmp_path / "cache")}
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    for args in (("job", "0" * 32, "--cancel"), ("job", "0" * 32), ("jobs",), ("infer", "thr", str(study)),
+                 ("infer", "thr", "--study", "1.2.3")):
+        proc = _cli(*args, "--url", url, env=env)
+        last = proc.stderr.strip().splitlines()[-1]
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
+        assert last.startswith(f"error: cannot reach the medserve server at {url}: "), (args, last)
+        assert "Connection refused" in last and not last.endswith("None"), (args, last)

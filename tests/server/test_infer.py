@@ -181,6 +181,25 @@ def test_dicomweb_references_must_be_uids(make_server, tmp_path: Path) -> None:
         assert store.paths == ["/dicom-web/studies/1.2/series/3%2F..%2F4%3Fx%3D"]
 
 
+def test_a_store_answering_parts_that_are_not_dicom_is_a_bad_gateway(make_server, tmp_path: Path) -> None:
+    """WADO-RS parts labelled as something else, or labelled DICOM without being DICOM (a proxy's error page):
+    the store's fault, 502 dicomweb_bad_response naming the part, never the client's 400 bad_dicom."""
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    pages = tmp_path / "pages"
+    pages.mkdir()
+    (pages / "0.html").write_text("<html>502 Bad Gateway</html>")
+    with FakeDicomWeb() as store:
+        server = with_thr(make_server(dicomweb_url=store.url))
+        for source, part_type, problem in (
+                (study, "text/html; charset=utf-8", "is 'text/html', not application/dicom"),
+                (pages, "application/dicom", "is not a DICOM file (no 'DICM' marker at byte 128)")):
+            store.study, store.part_type = source, part_type
+            r = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3"}, timeout=60)
+            assert r.status_code == 502 and r.json() == {
+                "error": "dicomweb_bad_response",
+                "message": f"part 1 of the store's answer for /studies/1.2.3 {problem}"}, r.text
+
+
 def _patched_zip(archive: bytes, flag_bits: int = 0, method: int | None = None) -> bytes:
     """Sets general-purpose flag bits and/or the compression method in every local and central header."""
     data = bytearray(archive)
@@ -356,7 +375,7 @@ def test_a_retrieve_that_breaks_off_closes_the_instance_being_written(tmp_path: 
 
     opened: list = []
 
-    def open_part():  # noqa: ANN202
+    def open_part(headers: dict[str, str]):  # noqa: ANN202
         opened.append(open(tmp_path / f"{len(opened)}.dcm", "wb"))
         return opened[-1]
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import sqlite3
+import subprocess
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -13,8 +16,8 @@ import pydicom
 import pytest
 
 from tests.conftest import make_threshold_bundle
-from tests.server.conftest import (FakeDicomWeb, ServerProcess, add_bundle, free_port, multipart_files, small_study,
-                                   with_thr)
+from tests.server.conftest import (REPO, FakeDicomWeb, ServerProcess, add_bundle, free_port, multipart_files,
+                                   small_study, with_thr)
 
 
 def _wait(url: str, job_id: str, states: tuple[str, ...], timeout: float = 120) -> dict:
@@ -140,7 +143,8 @@ def test_job_waits_for_a_busy_model_past_the_queue_timeout(make_server, study: P
         waiting = _wait(url, first["id"], ("running",))
         assert waiting["stage"] == "waiting for the model" and httpx.get(f"{url}/v1/jobs/{first['id']}").json()[
             "state"] == "running"
-        assert httpx.delete(f"{url}/v1/jobs/{first['id']}").json()["state"] == "cancelled"
+        cancelled = httpx.delete(f"{url}/v1/jobs/{first['id']}").json()
+        assert (cancelled["state"], cancelled["progress"]) == ("cancelled", 0), cancelled  # no result: no progress
         assert _wait(url, second["id"], ("running",), 10)["stage"] == "waiting for the model"
     finally:
         gate.leave()
@@ -318,3 +322,159 @@ def test_a_replayed_upload_job_does_not_extract_the_upload_again(thr_server, stu
     other = httpx.post(url + "/v1/jobs?model=other", json=body, headers={"Idempotency-Key": "u"})
     assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict", other.text
     assert _wait(url, first.json()["id"], ("succeeded",))["state"] == "succeeded"
+
+
+def test_a_second_server_on_the_same_data_dir_is_refused_before_touching_it(make_server, study: Path) -> None:
+    """`medserve serve` on a data dir another server uses exits with one line naming the holder, and leaves the
+    first server's running job (its row and its folder) as they were: no recovery ran."""
+    server = with_thr(make_server())
+    with server.store.use("thr", lambda: None):  # the model is busy: the job stays running, waiting for it
+        job = httpx.post(server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait(server.url, job["id"], ("running",))
+        proc = subprocess.run([sys.executable, "-m", "medserve.cli", "serve", "--store", str(server.config.store),
+                               "--data-dir", str(server.config.data_dir), "--port", str(server.config.port)],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert proc.stderr.strip().splitlines()[-1] == (f"error: data dir {server.config.data_dir} is in use by "
+                                                        f"another medserve serve (pid {os.getpid()})"), proc.stderr
+        assert "Traceback" not in proc.stderr
+        still = httpx.get(f"{server.url}/v1/jobs/{job['id']}").json()
+        assert (still["state"], still["attempts"], still["stage"]) == ("running", 1, "waiting for the model"), still
+        assert (server.config.jobs_dir / job["id"] / "input" / "dicom").is_dir()
+    assert _wait(server.url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
+
+
+def test_a_writeback_the_store_refuses_fails_the_job_and_keeps_no_result(make_server, study: Path) -> None:
+    """A STOW-RS answer of 202 with a Failed SOP Sequence is a refusal, not a success: the job fails naming how
+    many instances were refused and why, its write-back shows as failed, and it lists (and keeps) no result."""
+    with FakeDicomWeb(study) as store:
+        server = with_thr(make_server(dicomweb_url=store.url))
+        url = server.url
+        done = httpx.post(url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+        done = _wait(url, done["id"], ("succeeded", "failed"))
+        assert done["state"] == "succeeded", done
+        assert done["writeback_result"] == {"target": store.url, "state": "done", "error": None}
+        failed_item = {"00081150": {"vr": "UI", "Value": ["1.2.840.10008.5.1.4.1.1.66.4"]},  # SOP Class: SEG
+                       "00081197": {"vr": "US", "Value": [0xA700]}}  # Failure Reason: out of resources
+        refused = {"00081198": {"vr": "SQ", "Value": [failed_item]}}  # Failed SOP Sequence
+        store.stow_answer = (202, refused)
+        job = httpx.post(url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+        assert job["writeback_result"] == {"target": store.url, "state": "pending", "error": None}
+        job = _wait(url, job["id"], ("succeeded", "failed"))
+    assert len(store.stowed) == 2
+    expected = (f"storing the SEG back to {store.url} failed: STOW-RS answered 202 but the store refused 1 of 1 "
+                "instances (failure reasons: 0xA700 (out of resources))")
+    assert (job["state"], job["error"]) == ("failed", expected), job
+    assert job["writeback_result"] == {"target": store.url, "state": "failed", "error": expected}
+    assert job["outputs"] == [] and job["result_url"] is None and job["progress"] == 0, job
+    result = httpx.get(f"{url}/v1/jobs/{job['id']}/result")
+    assert result.status_code == 409 and result.json()["error"] == "job_has_no_result", result.text
+    _gone(server.config.jobs_dir / job["id"])  # no result: no folder
+    assert (server.config.jobs_dir / done["id"] / "result").is_dir()
+
+
+def test_a_job_admitted_while_its_model_is_being_replaced_waits_for_the_files(make_server, study: Path) -> None:
+    """The model's files start changing while the job waits for its turn: once admitted, the job waits for them
+    to settle (as it does before), instead of failing with model_settling."""
+    server = with_thr(make_server(stable_seconds=2.0))
+    url = server.url
+    with server.store.use("thr", lambda: None):  # the model is busy: the job waits for its turn
+        job = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait_for_stage(url, job["id"], "waiting for the model")
+        assert httpx.post(url + "/v1/models/thr/unload").status_code == 200
+        (server.config.store / "thr" / "configs" / "notes.json").write_text("{}")  # a new version being copied
+        server.store.wait_until("thr", ("copying",), 10)
+    done = _wait(url, job["id"], ("succeeded", "failed"))
+    assert done["state"] == "succeeded" and done["attempts"] == 1, done
+
+
+def _wait_for_stage(url: str, job_id: str, stage: str, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while (job := httpx.get(f"{url}/v1/jobs/{job_id}").json())["stage"] != stage:
+        assert time.monotonic() < deadline, f"job {job_id} never reached {stage!r}: {job}"
+        time.sleep(0.05)
+    return job
+
+
+def test_a_clean_stop_records_jobs_that_finish_in_the_grace_period_and_requeues_the_rest(
+        make_server, study: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graceful stop (what SIGTERM does): a job that finishes within the grace period is recorded as succeeded,
+    not thrown away; one still inferring after it goes back to the queue with its attempt given back, and runs
+    once at the next start."""
+    import threading
+
+    from medserve import pipeline
+
+    real_run_study = pipeline.run_study
+    release = threading.Event()
+    calls: list[str] = []
+
+    def run_study(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the first run outlasts the grace period
+        calls.append("run")
+        if len(calls) == 1:
+            release.wait(60)
+        else:
+            time.sleep(1.0)
+        return real_run_study(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "run_study", run_study)
+    first = with_thr(make_server(job_workers=2, concurrency=2))
+    url, files = first.url, multipart_files(study)
+    slow = httpx.post(url + "/v1/jobs?model=thr", files=files).json()["id"]
+    _wait_for_stage(url, slow, "inferring")
+    quick = httpx.post(url + "/v1/jobs?model=thr", files=files).json()["id"]
+    _wait_for_stage(url, quick, "inferring")
+    first.__exit__(None, None, None)  # a graceful stop, as uvicorn does on SIGTERM
+    release.set()
+    for worker in first.app.state.jobs._workers:  # the slow job's worker: it can record nothing any more
+        worker.join(timeout=60)
+    db = sqlite3.connect(first.config.db_path)
+    rows = dict(db.execute("SELECT id, state || ' ' || attempts FROM jobs").fetchall())
+    db.close()
+    assert rows == {quick: "succeeded 1", slow: "queued 0"}, rows
+    second = make_server(port=free_port())  # the same data folder
+    done = _wait(second.url, slow, ("succeeded", "failed"))
+    assert done["state"] == "succeeded" and done["attempts"] == 1, done
+    assert httpx.get(f"{second.url}/v1/jobs/{quick}/result").status_code == 200
+
+
+def _answer_before_the_body(port: int, path: str, content_type: str) -> tuple[int, dict]:
+    """Sends a request's head declaring a 1 GB body and none of it: only a server that answers without reading
+    the body answers at all (within the socket's timeout)."""
+    import json
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+                     f"Content-Length: {10**9}\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            answer += sock.recv(65536)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_a_job_on_an_unknown_model_is_refused_before_its_study_is_read(thr_server) -> None:
+    url = thr_server.url
+    unknown = {"error": "unknown_model", "message": "no model 'nope' in the store; available: thr"}
+    for content_type in ("application/zip", "multipart/form-data; boundary=x"):
+        assert _answer_before_the_body(thr_server.config.port, "/v1/jobs?model=nope", content_type) == (404, unknown)
+    # Named in the JSON body: refused before the upload it names is looked up (or extracted).
+    r = httpx.post(url + "/v1/jobs", json={"upload": "0" * 32, "model": "nope"})
+    assert (r.status_code, r.json()) == (404, unknown), r.text
+    r = httpx.post(url + "/v1/jobs", json={"upload": "0" * 32})
+    assert r.status_code == 400 and r.json()["error"] == "no_model", r.text
+    assert r.json()["message"].startswith("the 'model' field is missing"), r.text
+    assert list(thr_server.config.jobs_dir.iterdir()) == []
+
+
+def test_a_result_removed_from_the_data_dir_is_a_json_410(thr_server, study: Path) -> None:
+    url = thr_server.url
+    job = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+    assert _wait(url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
+    for path in (thr_server.config.jobs_dir / job["id"] / "result").rglob("*.dcm"):
+        path.unlink()
+    r = httpx.get(f"{url}/v1/jobs/{job['id']}/result")
+    assert r.status_code == 410 and r.json() == {
+        "error": "result_gone", "message": f"job {job['id']}'s seg result is no longer on the server"}, r.text
+    assert httpx.get(f"{url}/v1/jobs/{job['id']}/result?format=nifti").status_code == 200
