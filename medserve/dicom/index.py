@@ -246,9 +246,13 @@ def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | Non
 
 
 def _looks_like_dicom(path: Path) -> bool:
-    """Whether the file starts as DICOM does: the preamble and "DICM", or a dataset's first tag."""
     with path.open("rb") as stream:
-        head = stream.read(132)
+        return looks_like_dicom(stream.read(132))
+
+
+def looks_like_dicom(head: bytes) -> bool:
+    """Whether a file's first 132 bytes start as DICOM does: the preamble and "DICM", or (written without the
+    preamble) a dataset's first tag."""
     return _has_preamble(head) or _starts_as_a_dataset(head)
 
 

@@ -36,7 +36,7 @@ def study_zip(study_dir: Path) -> Path:
     always gives the same bytes, which is what lets a re-run resume the earlier upload instead of starting over.
     Other files (a CD's README.txt, autorun.inf, .DS_Store) are left out with a warning, as the DICOM loader
     skips them; the server would refuse them."""
-    from medserve.server.inputs import sniff
+    from medserve.server.inputs import NOT_DICOM, sniff
 
     found = sorted(p for p in study_dir.rglob("*") if p.is_file())
     try:
@@ -45,7 +45,7 @@ def study_zip(study_dir: Path) -> Path:
         raise ClientError(f"{error.filename}: cannot be read ({error.strerror})") from error
     others = [p.relative_to(study_dir).as_posix() for p in found if p not in files]
     if not files:
-        what = f"{len(others)} files, none of them DICOM (no 'DICM' marker at byte 128)" if others else "no files"
+        what = f"{len(others)} files, none of them DICOM ({NOT_DICOM})" if others else "no files"
         raise ClientError(f"{study_dir}: nothing to upload: {what}")
     if others:
         log.warning("%s: leaving out %d files that are not DICOM: %s", study_dir, len(others),

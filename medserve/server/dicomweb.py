@@ -19,7 +19,7 @@ from urllib.parse import quote
 import httpx
 
 from medserve.server.errors import ApiError
-from medserve.server.inputs import sniff
+from medserve.server.inputs import NOT_DICOM, sniff
 
 log = logging.getLogger("medserve.server.dicomweb")
 
@@ -135,7 +135,7 @@ class DicomWebClient:
         counter = iter(range(10**9))
 
         def open_part(headers: dict[str, str]) -> BinaryIO:
-            # A part without a Content-Type is let through: the DICM marker check below still applies.
+            # A part without a Content-Type is let through: the DICOM check below still applies.
             kind = headers.get("content-type", "application/dicom").split(";")[0].strip().lower()
             index = next(counter)
             if kind != "application/dicom":
@@ -157,7 +157,7 @@ class DicomWebClient:
             raise DicomWebError(404, "not_in_store", f"{path}: the store returned no instances", False)
         for index, part in enumerate(sorted(dest.iterdir())):
             if sniff(part) != "dicom":  # the store's fault, not the client's: not a 400 bad_dicom later
-                raise _bad_part(path, index, "is not a DICOM file (no 'DICM' marker at byte 128)")
+                raise _bad_part(path, index, f"is not a DICOM file ({NOT_DICOM})")
         log.info("pulled %d instances of %s", count, path)
         return count
 

@@ -23,6 +23,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
 
+from medserve.dicom.index import looks_like_dicom
 from medserve.server.errors import ApiError, header_int
 
 log = logging.getLogger("medserve.server.inputs")
@@ -51,16 +52,20 @@ class InputSpec:
         return cls(data["kind"], Path(path) if path else None, data.get("study"), data.get("series"))
 
 
+# Why sniff() does not call a file DICOM, for messages.
+NOT_DICOM = "neither the 'DICM' marker at byte 128 nor a dataset at byte 0"
+
+
 def sniff(path: Path) -> str:
     """"zip", "nifti", "dicom" or "unknown", from the first bytes (never from the name alone)."""
     with open(path, "rb") as handle:
         head = handle.read(352)
     if head[:4] == b"PK\x03\x04" or head[:4] == b"PK\x05\x06":
         return "zip"
-    if len(head) >= 132 and head[128:132] == b"DICM":
-        return "dicom"
     if len(head) >= 348 and head[344:348] in (b"n+1\x00", b"ni1\x00"):
         return "nifti"
+    if looks_like_dicom(head):  # as the core's index reads it, files without the preamble too
+        return "dicom"
     if head[:2] == b"\x1f\x8b":
         try:
             with gzip.open(path, "rb") as handle:
@@ -152,7 +157,7 @@ def _check_dicom_folder(folder: Path) -> None:
     for path in files:
         if sniff(path) != "dicom":
             rel = path.relative_to(folder)
-            raise ApiError(400, "not_dicom", f"{rel} is not a DICOM file (no 'DICM' marker at byte 128)")
+            raise ApiError(400, "not_dicom", f"{rel} is not a DICOM file ({NOT_DICOM})")
 
 
 def stage_file(path: Path, dest: Path, max_bytes: int, link: bool = False) -> InputSpec:
@@ -319,7 +324,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
         for index, path in enumerate(saved):
             if sniff(path) != "dicom":
                 name = parts[index].filename or f"part {index}"
-                raise ApiError(400, "not_dicom", f"{name} is not a DICOM file (no 'DICM' marker at byte 128)")
+                raise ApiError(400, "not_dicom", f"{name} is not a DICOM file ({NOT_DICOM})")
         raw.rename(dest / "dicom")
         return InputSpec("dicom", dest / "dicom"), options
     if content_type in ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",

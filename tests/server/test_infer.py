@@ -192,7 +192,8 @@ def test_a_store_answering_parts_that_are_not_dicom_is_a_bad_gateway(make_server
         server = with_thr(make_server(dicomweb_url=store.url))
         for source, part_type, problem in (
                 (study, "text/html; charset=utf-8", "is 'text/html', not application/dicom"),
-                (pages, "application/dicom", "is not a DICOM file (no 'DICM' marker at byte 128)")):
+                (pages, "application/dicom",
+                 "is not a DICOM file (neither the 'DICM' marker at byte 128 nor a dataset at byte 0)")):
             store.study, store.part_type = source, part_type
             r = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3"}, timeout=60)
             assert r.status_code == 502 and r.json() == {
@@ -387,3 +388,12 @@ def test_a_retrieve_that_breaks_off_closes_the_instance_being_written(tmp_path: 
         split_multipart(chunks(), b"b", open_part)
     assert len(opened) == 2 and all(handle.closed for handle in opened)
     assert (tmp_path / "0.dcm").read_bytes() == b"x" * 100
+
+
+def test_files_without_the_dicom_preamble_are_accepted_as_the_app_accepts_them(thr_server, tmp_path: Path) -> None:
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    files = multipart_files(study)
+    name, (filename, content, content_type) = files[1]
+    files[1] = (name, (filename, content[132:], content_type))  # no preamble, no "DICM": starts at group 0002
+    r = httpx.post(thr_server.url + "/v1/models/thr/infer", files=files, timeout=120)
+    assert r.status_code == 200, r.text  # all four slices: one left out would be a 422 (a missing slice)
