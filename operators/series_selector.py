@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pydicom
 from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
 from monai.deploy.core.domain.dicom_series import DICOMSeries
 from monai.deploy.core.domain.dicom_series_selection import SelectedSeries as SdkSelectedSeries
@@ -14,7 +13,7 @@ from monai.deploy.core.domain.dicom_study import DICOMStudy
 from monai.deploy.operators.dicom_data_loader_operator import DICOMDataLoaderOperator
 
 from medserve.dicom.select import SelectedSeries, load_rules, select_series
-from medserve.dicom.index import Instance, Series
+from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.volume import ordered_instances
 from medserve.errors import VolumeError
 from operators.failures import reports_failures
@@ -70,7 +69,7 @@ def as_sdk_selection(selected: list[SelectedSeries]) -> list[StudySelectedSeries
     for choice in selected:
         series = choice.series
         # Stock operators read pixel_array from the datasets: defer it, so it comes from disk on access.
-        datasets = [pydicom.dcmread(i.path, defer_size=_DEFER_BYTES) for i in _slice_order_if_any(series)]
+        datasets = [read_dataset(i, defer_size=_DEFER_BYTES) for i in _slice_order_if_any(series)]
         if series.study_uid not in studies:
             study = DICOMStudy(series.study_uid)
             populate.populate_study_attributes(None, study, datasets[0])

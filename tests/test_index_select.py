@@ -12,6 +12,7 @@ import pydicom
 import pydicom.uid
 import pytest
 from pydicom.fileset import FileSet
+from pydicom.uid import ExplicitVRLittleEndian, JPEGLSLossless
 
 from medserve.demo.phantom import make_phantom
 from medserve.demo.study import write_ct_series
@@ -19,6 +20,7 @@ from medserve.dicom.index import index_folder
 from medserve.dicom.select import load_rules, select_series
 from medserve.dicom.volume import series_to_volume
 from medserve.errors import DicomInputError, SelectionError, VolumeError
+from operators.series_selector import as_sdk_selection
 
 
 @pytest.fixture
@@ -61,27 +63,46 @@ def test_dicomdir_is_skipped_and_the_files_it_lists_are_indexed(tmp_path, caplog
         f"skipping {tmp_path / 'media' / 'DICOMDIR'}: DICOMDIR (the folder is scanned directly instead)"]
 
 
-def test_files_without_the_preamble_are_read_with_or_without_file_meta(tmp_path):
+@pytest.mark.parametrize("transfer_syntax", [ExplicitVRLittleEndian, JPEGLSLossless], ids=["native", "jpeg-ls"])
+def test_files_without_the_preamble_are_read_with_or_without_file_meta(tmp_path, transfer_syntax):
     """Archives and old modalities write the dataset without the 128-byte preamble and "DICM", some without the
-    file meta (group 0002) too: implicit VR little endian, DICOM's default encoding."""
+    file meta (group 0002) too: implicit VR little endian, DICOM's default encoding. Compressed pixels are
+    decoded from such a file too (the bare, meta-less case is native only: it has no transfer syntax to say)."""
     from pydicom.filebase import DicomBytesIO
     from pydicom.filewriter import write_dataset
 
     phantom = make_phantom(shape=(4, 16, 16), seed=2)
-    written = write_ct_series(phantom.hu, tmp_path / "study")
+    written = write_ct_series(phantom.hu, tmp_path / "study", transfer_syntax=transfer_syntax)
     expected = series_to_volume(select_series(index_folder(tmp_path / "study"))[0].series).array
     meta_first, bare = written.paths[1], written.paths[2]
     meta_first.write_bytes(meta_first.read_bytes()[132:])  # starts with the file meta's (0002,0000)
-    dataset = pydicom.dcmread(bare)
-    encoded = DicomBytesIO()
-    encoded.is_little_endian, encoded.is_implicit_VR = True, True
-    write_dataset(encoded, dataset)  # the dataset alone, from (0008,0005)
-    bare.write_bytes(encoded.getvalue())
+    if transfer_syntax == ExplicitVRLittleEndian:
+        dataset = pydicom.dcmread(bare)
+        encoded = DicomBytesIO()
+        encoded.is_little_endian, encoded.is_implicit_VR = True, True
+        write_dataset(encoded, dataset)  # the dataset alone, from (0008,0005)
+        bare.write_bytes(encoded.getvalue())
     index = index_folder(tmp_path / "study")
     assert not index.skipped
     [choice] = select_series(index)
     assert len(choice.series.instances) == 4
     np.testing.assert_array_equal(series_to_volume(choice.series).array, expected)
+    [study] = as_sdk_selection([choice])  # what stock operators downstream of our selector read
+    assert len(study.selected_series[0].series.get_sop_instances()) == 4
+
+
+@pytest.mark.parametrize("content", [
+    np.array([8, 0, 3, 3, 1, 0, 0, 0] * 40, dtype=np.int16).tobytes(),  # a raw int16 volume whose first voxel is 8
+    b"\x02\x00" + bytes(510),  # a raw uint8 mask
+    b"\x08\x00\x00\x00\x01\x02\x03\x04",  # 8 bytes
+    b"\x08\x00\x05\x00\x10\x00\x00\x00" + bytes(range(256)) * 2,  # starts as an implicit-VR element, then junk
+], ids=["raw-int16", "raw-mask", "eight-bytes", "element-then-junk"])
+def test_binary_files_that_start_like_a_dataset_are_skipped_not_refused(tmp_path, content):
+    write_ct_series(make_phantom(shape=(4, 16, 16), seed=2).hu, tmp_path / "ct")
+    (tmp_path / "other.raw").write_bytes(content)
+    index = index_folder(tmp_path)
+    assert [(path.name, reason) for path, reason in index.skipped] == [("other.raw", "not a DICOM file")]
+    assert len(index.all_series[0].instances) == 4
 
 
 def test_empty_folder_is_refused(tmp_path):

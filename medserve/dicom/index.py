@@ -13,12 +13,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import pydicom
 from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
+from pydicom.valuerep import VR
 
 from medserve.dicom.memory import VolumeMemory
 from medserve.dicom.values import uid_value
@@ -29,6 +30,7 @@ log = logging.getLogger("medserve.dicom.index")
 MEDIA_STORAGE_DIRECTORY_STORAGE = "1.2.840.10008.1.3.10"
 # Enough for the header of a typical CT/MR slice (a few kB) with room for private tags.
 _HEADER_CHUNK_BYTES = 32768
+_EXPLICIT_VRS = frozenset(vr.value.encode() for vr in VR)
 # An Enhanced (multi-frame) object carries its frames' geometry here, even when it holds a single frame.
 _FUNCTIONAL_GROUPS = ("SharedFunctionalGroupsSequence", "PerFrameFunctionalGroupsSequence")
 
@@ -40,6 +42,8 @@ class Instance:
     path: Path
     dataset: Dataset
     pixel_data_offset: int | None
+    # Written without the 128-byte preamble and "DICM" (some archives and old modalities do): read with force.
+    without_preamble: bool = False
 
     @property
     def number_of_frames(self) -> int:
@@ -136,16 +140,28 @@ def read_header(path: Path) -> Instance:
 
 
 def _parse_header(path: Path, stream: BinaryIO, without_preamble: bool = False) -> Instance:
-    dataset = pydicom.dcmread(stream, stop_before_pixels=True, force=without_preamble)
-    if without_preamble and not dataset.file_meta.get("TransferSyntaxUID"):
-        # No file meta either: the encoding pydicom found is the transfer syntax (pixels are read by it).
-        dataset.file_meta.TransferSyntaxUID = (
-            ImplicitVRLittleEndian if dataset.original_encoding[0] else ExplicitVRLittleEndian)
+    dataset = _read(stream, without_preamble, stop_before_pixels=True)
     dataset.filename = str(path)
     # pydicom leaves the stream at the tag of the element it stopped before.
     position = stream.tell()
     at_pixel_data = stream.read(4) == b"\xe0\x7f\x10\x00"
-    return Instance(path=path, dataset=dataset, pixel_data_offset=position if at_pixel_data else None)
+    return Instance(path=path, dataset=dataset, pixel_data_offset=position if at_pixel_data else None,
+                    without_preamble=without_preamble)
+
+
+def read_dataset(instance: Instance, **options: Any) -> Dataset:
+    """The whole file of `instance` (pydicom.dcmread `options`), read as its header was: files written without
+    the preamble too."""
+    return _read(instance.path, instance.without_preamble, **options)
+
+
+def _read(source: Path | BinaryIO, without_preamble: bool, **options: Any) -> Dataset:
+    dataset = pydicom.dcmread(source, force=without_preamble, **options)
+    if without_preamble and not dataset.file_meta.get("TransferSyntaxUID"):
+        # No file meta either: the encoding pydicom found is the transfer syntax (pixels are read by it).
+        dataset.file_meta.TransferSyntaxUID = (
+            ImplicitVRLittleEndian if dataset.original_encoding[0] else ExplicitVRLittleEndian)
+    return dataset
 
 
 def index_folder(folder: Path | str, exclude: Path | str | None = None) -> StudyIndex:
@@ -178,7 +194,7 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         study_uid = uid_value(dataset, "StudyInstanceUID")
         series_uid = uid_value(dataset, "SeriesInstanceUID")
         if not study_uid or not series_uid:
-            if _looks_like_dicom(path):
+            if _has_dicom_preamble(path):
                 # pydicom returns what it could read of a cut file; an object without its UIDs is damaged.
                 missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
                                                        ("SeriesInstanceUID", series_uid)) if not v)
@@ -234,9 +250,9 @@ def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | Non
             return None
         raise DicomInputError(f"{path}: cannot be read ({error.strerror or error})") from error
     except Exception as error:  # pydicom raises many types on damaged files
-        if _looks_like_dicom(path):
+        if _has_dicom_preamble(path):
             raise DicomInputError(f"{path}: corrupt DICOM file ({type(error).__name__}: {error})") from error
-        _skip(skipped, path, "not a DICOM file")
+        _skip(skipped, path, "not a DICOM file")  # without the preamble, only a dataset that parses is DICOM
         return None
     meta = getattr(instance.dataset, "file_meta", None)
     if meta is not None and uid_value(meta, "MediaStorageSOPClassUID") == MEDIA_STORAGE_DIRECTORY_STORAGE:
@@ -245,9 +261,9 @@ def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | Non
     return instance
 
 
-def _looks_like_dicom(path: Path) -> bool:
+def _has_dicom_preamble(path: Path) -> bool:
     with path.open("rb") as stream:
-        return looks_like_dicom(stream.read(132))
+        return _has_preamble(stream.read(132))
 
 
 def looks_like_dicom(head: bytes) -> bool:
@@ -261,9 +277,16 @@ def _has_preamble(head: bytes) -> bool:
 
 
 def _starts_as_a_dataset(head: bytes) -> bool:
-    """A little-endian dataset without preamble: its first element is in the file meta (group 0002) or the
-    identifying group 0008, where every image's first elements are."""
-    return len(head) >= 8 and head[:2] in (b"\x02\x00", b"\x08\x00")
+    """A little-endian dataset without preamble: its first element is in the file meta (group 0002, explicit VR)
+    or in group 0008, where an image's first elements are (explicit VR, or implicit with a header-sized even
+    length). Other binary files (a raw volume, a mask) may start with the same two bytes, rarely with all of it;
+    one that does and then does not parse as a dataset with UIDs is skipped, not refused."""
+    if len(head) < 8 or head[:2] not in (b"\x02\x00", b"\x08\x00"):
+        return False
+    if head[4:6] in _EXPLICIT_VRS:
+        return True
+    element, length = int.from_bytes(head[2:4], "little"), int.from_bytes(head[4:8], "little")
+    return head[:2] == b"\x08\x00" and element < 0x0100 and length % 2 == 0 and length <= 1024
 
 
 def _skip(skipped: list[tuple[Path, str]], path: Path, reason: str) -> None:

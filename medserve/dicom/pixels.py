@@ -15,7 +15,6 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import imagecodecs
 import numpy as np
@@ -23,11 +22,9 @@ import pydicom
 from pydicom.encaps import generate_frames
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
 
+from medserve.dicom.index import Instance, read_dataset
 from medserve.dicom.values import decimal_values, stored_bytes, uid_value
 from medserve.errors import VolumeError
-
-if TYPE_CHECKING:
-    from medserve.dicom.index import Instance
 
 # Read from the stored offset. Deflated Explicit VR (1.2.840.10008.1.2.1.99) is not here: its Pixel Data is
 # inside the deflated stream, so pydicom reads it whole.
@@ -177,7 +174,7 @@ def _decode_rle_slice(instance: Instance, pixel_format: PixelFormat, out: np.nda
 def _decode_slice(instance: Instance, out: np.ndarray) -> None:
     """Other transfer syntaxes: pydicom's decoders, which apply BitsStored themselves."""
     try:
-        dataset = pydicom.dcmread(instance.path)
+        dataset = read_dataset(instance)
         pixels = dataset.pixel_array
     except Exception as error:  # decoders raise assorted types on damaged data
         raise VolumeError(f"{instance.path}: cannot decode pixel data "
