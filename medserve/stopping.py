@@ -8,8 +8,9 @@ operator that is busy (a bundle's inference takes minutes), then ends the proces
 Instead an app blocks both signals in every thread and lets one watcher thread take them with `sigwait`: it runs
 the app's clean-up and ends the process with 128 + the signal number, what a shell reports for a process ended by
 that signal. A thread inherits its creator's signal mask, and importing torch, Holoscan or the SDK starts threads,
-so `block_stop_signals()` must run before those imports; an app calls it only when run as a program, since
-children (subprocesses) inherit the mask too.
+so `block_stop_signals()` must run before those imports; an app calls it only when run as a program. Child
+processes inherit the mask too: the app's path starts none, and code that adds one must unblock both signals in
+the child (`subprocess`'s `preexec_fn`), or Ctrl-C and SIGTERM will not reach it.
 """
 
 from __future__ import annotations

@@ -186,6 +186,20 @@ def test_single_channel_mask_is_named_by_its_channel(tmp_path):
     assert dice(label_map == 1, volume.array > THRESHOLD_HU) > 0.9
 
 
+@pytest.mark.parametrize("channel_zero", ["other", "normal tissue", "unlabeled", "backgroud"])
+def test_a_softmax_bundle_keeps_class_indices_whatever_its_channel_zero_is_called(tmp_path, threshold_bundle,
+                                                                                   channel_zero):
+    bundle = tmp_path / "softmax"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata = json.loads((bundle / "configs" / "metadata.json").read_text())
+    metadata["network_data_format"]["outputs"]["pred"]["channel_def"] = {"0": channel_zero, "1": "organ"}
+    (bundle / "configs" / "metadata.json").write_text(json.dumps(metadata))
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    volume, _ = phantom_volume()
+    assert predictor.labels == {1: "organ"}
+    assert dice(predictor.predict(volume), volume.array > THRESHOLD_HU) > 0.9
+
+
 def test_overlapping_masks_are_refused_naming_the_channels(tmp_path):
     bundle = sigmoid_bundle(tmp_path / "overlap", {"0": "whole", "1": "core"}, [(">", 0.0), (">", THRESHOLD_HU)])
     with pytest.raises(InferenceError, match=r"^bundle overlap: its multi-label output 'pred' \(2 channels\) has "
@@ -205,14 +219,20 @@ def test_unthresholded_multi_label_output_is_refused(tmp_path):
         BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
 
 
-def test_an_output_named_otherwise_in_the_metadata_still_reaches_the_postprocessing_as_pred(tmp_path, threshold_bundle):
+@pytest.mark.parametrize("postprocessing_key", ["pred", "seg"])
+def test_an_output_named_otherwise_in_the_metadata_reaches_the_postprocessing(tmp_path, threshold_bundle,
+                                                                             postprocessing_key):
     """MONAI's evaluator puts the network output under "pred" whatever the metadata calls it, and bundles'
-    postprocessing reads it there; the metadata's name only finds the channel_def."""
+    postprocessing reads it there; one whose postprocessing reads the metadata's name instead finds it there."""
     bundle = tmp_path / "seg_output"
     shutil.copytree(threshold_bundle, bundle)
     metadata = json.loads((bundle / "configs" / "metadata.json").read_text())
     metadata["network_data_format"]["outputs"] = {"seg": {"channel_def": {"0": "background", "1": "organ"}}}
     (bundle / "configs" / "metadata.json").write_text(json.dumps(metadata))
+    config = json.loads((bundle / "configs" / "inference.json").read_text())
+    for step in config["postprocessing"]["transforms"]:
+        step["keys"] = postprocessing_key
+    (bundle / "configs" / "inference.json").write_text(json.dumps(config))
     predictor = BundlePredictor.from_dir(bundle, device="cpu")
     volume, _ = phantom_volume()
     assert dice(predictor.predict(volume), volume.array > THRESHOLD_HU) > 0.9

@@ -6,6 +6,9 @@ package `scripts`, and the server loads many bundles in one process: so the bund
 its config is parsed and its components built, and the modules imported from it then are taken out of
 sys.modules afterwards (the objects built from them keep them alive), putting back any module of the same name
 that was there before. Loading such bundles is serialized.
+
+So code that imports only while it runs (an `import scripts.helpers` inside `forward`) finds no `scripts` at
+inference time; every import has to happen while the bundle loads, as module-level imports and `$import` do.
 """
 
 from __future__ import annotations

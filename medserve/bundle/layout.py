@@ -48,18 +48,17 @@ class BundleLayout:
         return channel_def if isinstance(channel_def, dict) else {}
 
     @property
-    def multi_label(self) -> bool:
-        """Whether the output's channels are each one structure, with no background channel: a sigmoid bundle's
-        binary masks (BraTS-style "0": "tumor core", "1": "whole tumor", ...) or a single-channel mask
-        ("0": "liver"). Its channel i is label i + 1 in a label map. A channel_def whose channel 0 is the
-        background describes class indices as they are (softmax bundles, label-map outputs)."""
+    def channel_zero_is_a_structure(self) -> bool:
+        """Whether channel 0 of the output's channel_def names a structure rather than the background, as in a
+        sigmoid bundle's masks (BraTS-style "0": "tumor core", ...; a single "0": "liver"). Whether the output
+        is multi-label is the predictor's call: a softmax bundle may call its channel 0 "other"."""
         channel_def = self._channel_def()
         return "0" in channel_def and not _names_background(channel_def["0"])
 
-    def labels(self) -> dict[int, str]:
+    def labels(self, multi_label: bool = False) -> dict[int, str]:
         """Foreground labels {value: name} of the label map made from the output, from its channel_def: the class
-        index of each name (background, value 0, left out), or channel + 1 for a multi-label output."""
-        shift = 1 if self.multi_label else 0
+        index of each name (background, value 0, left out), or channel + 1 for a `multi_label` output."""
+        shift = 1 if multi_label else 0
         labels = {}
         for value, name in self._channel_def().items():
             try:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from monai.bundle import ConfigParser
 from monai.data import MetaTensor
-from monai.utils import CommonKeys
+from monai.utils import CommonKeys, ensure_tuple
 
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from medserve.bundle.imports import bundle_code
@@ -53,8 +53,7 @@ _IMPORT_RACE_ATTEMPTS = 5
 _CAUSE_CHARACTERS = 500
 # MONAI's Compose wraps a transform's error in RuntimeError("applying transform <its repr>") from the original.
 _MONAI_TRANSFORM_FAILURE = re.compile(r"applying transform <?([\w.]+)")
-# Where MONAI's evaluators put the network output, whatever the metadata names the output ("seg", "label"): a
-# bundle's postprocessing reads it there.
+# Where MONAI's evaluators put the network output, whatever the metadata names the output ("seg", "label").
 _PREDICTION_KEY = str(CommonKeys.PRED)
 # A config value that is nothing but a reference to another entry: "@id" or "$@id" (ids nest with :: or #).
 _REFERENCE = re.compile(r"^\$?@([\w#:]+)$")
@@ -174,8 +173,6 @@ class BundlePredictor:
         self.device = device
         self.network = network
         self.image_key = str(parser.get("image_key", "image"))
-        self.output_key = _PREDICTION_KEY
-        self.labels = layout.labels()
         try:
             self.inferer = parser.get_parsed_content("inferer")
             self.preprocessing = parser.get_parsed_content("preprocessing")
@@ -183,6 +180,11 @@ class BundlePredictor:
         except Exception as error:  # any component of the config can fail to instantiate
             raise BundleError(f"{layout.config_path}: cannot build inferer/preprocessing/postprocessing: "
                               f"{error}") from error
+        steps = _steps(self.postprocessing)
+        self.output_key = _prediction_key(layout, steps)
+        # Sigmoid masks, one structure per channel: the evidence is in the postprocessing, not in a channel name.
+        self.multi_label = layout.channel_zero_is_a_structure and _thresholds_without_argmax(steps)
+        self.labels = layout.labels(self.multi_label)
         self._expects_channel_first = _uses_transform(parser, "preprocessing", _CHANNEL_FIRST_TRANSFORMS)
         # Transforms (Invertd's bookkeeping, random state) are not safe to share between threads.
         self._lock = threading.Lock()
@@ -359,7 +361,7 @@ class BundlePredictor:
         return torch.from_numpy(_wrappable(array))
 
     def _label_map(self, scores: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
-        if scores.ndim == 4 and scores.shape[0] > 1 and self.layout.multi_label:
+        if scores.ndim == 4 and scores.shape[0] > 1 and self.multi_label:
             scores = self._masks_as_labels(scores)
         elif scores.ndim == 4 and scores.shape[0] > 1:
             scores = class_indices(scores)  # the bundle left class scores: take the winning class
@@ -405,6 +407,36 @@ class BundlePredictor:
                                  f"and cannot represent overlapping structures")
         return torch.where(count > 0, class_indices(present.to(torch.uint8)) + 1, 0)
 
+
+
+def _steps(transform: Any) -> list[Any]:
+    """The transforms of a (nested) Compose, in order; [] for none."""
+    if transform is None:
+        return []
+    inner = getattr(transform, "transforms", None)
+    if isinstance(inner, (list, tuple)):
+        return [step for item in inner for step in _steps(item)]
+    return [transform]
+
+
+def _set_anywhere(step: Any, attribute: str) -> bool:
+    """Whether a transform's option (per key in dictionary transforms) is set for some key: True, or a value
+    that is not None/False (a threshold of 0.0 is set)."""
+    return any(value is not None and value is not False for value in ensure_tuple(getattr(step, attribute, None)))
+
+
+def _thresholds_without_argmax(steps: list[Any]) -> bool:
+    """A postprocessing that makes binary masks (sigmoid and/or a threshold) and takes no argmax."""
+    masks = any(_set_anywhere(step, "sigmoid") or _set_anywhere(step, "threshold") for step in steps)
+    return masks and not any(_set_anywhere(step, "argmax") for step in steps)
+
+
+def _prediction_key(layout: BundleLayout, steps: list[Any]) -> str:
+    """"pred", where MONAI's evaluators put the network output; the metadata's own output name where the
+    postprocessing reads that name and not "pred" (a bundle written for it to be there)."""
+    named = layout.output_key
+    keys = {str(key) for step in steps for key in ensure_tuple(getattr(step, "keys", ()))}
+    return named if named != _PREDICTION_KEY and named in keys and _PREDICTION_KEY not in keys else _PREDICTION_KEY
 
 def _wrappable(array: np.ndarray, dtype: np.dtype | type | None = None) -> np.ndarray:
     """`array` (as `dtype`) in a form `torch.from_numpy` can share: as it is when writable with non-negative
