@@ -64,6 +64,9 @@ class Series:
     instances: list[Instance] = field(default_factory=list)
     # Memory for this series' volume, faulted in while the folder was indexed (the first series found only).
     volume_memory: VolumeMemory | None = field(default=None, repr=False, compare=False)
+    # The checked slice order once computed (medserve.dicom.volume): the default selection checks it, and loading
+    # the selected series then uses it rather than checking the geometry twice.
+    volume_order: Any = field(default=None, repr=False, compare=False)
 
     @property
     def header(self) -> Dataset:

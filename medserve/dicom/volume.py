@@ -124,9 +124,17 @@ def datasets_in_slice_order(datasets: list[pydicom.Dataset],
 
 
 def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Instance], float]:
-    """Instances in volume order and the slice spacing, after checking the series' geometry."""
+    """Instances in volume order and the slice spacing, after checking the series' geometry (once per series and
+    tolerance)."""
     if series.is_multiframe:
         return list(series.instances), 0.0
+    if series.volume_order is not None and series.volume_order[0] == tolerance:
+        return series.volume_order[1]
+    series.volume_order = (tolerance, _checked_volume_order(series, tolerance))
+    return series.volume_order[1]
+
+
+def _checked_volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Instance], float]:
     multiframe = [instance for instance in series.instances if instance.is_multiframe]
     if multiframe:
         raise VolumeError(f"series {series.series_uid} has {len(series.instances)} instances of which "
