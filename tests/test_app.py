@@ -68,6 +68,16 @@ def test_holoscan_environment_variables_work_like_the_flags(demo_run, demo_study
     assert env.PixelData == flags.PixelData
 
 
+@pytest.mark.parametrize("entry", [["apps/bundle_seg"], ["-m", "apps.bundle_seg"]], ids=["folder", "module"])
+def test_the_app_folder_runs_as_a_program_and_as_a_module(demo_run, demo_study, tmp_path, entry):
+    out = tmp_path / "out"
+    command = " ".join([sys.executable, *entry, "-i", str(demo_study[0]), "-o", str(out), "-m", str(DEMO_BUNDLE)])
+    completed = subprocess.run(["bash", "-c", f"ulimit -s 32768; cd {REPO}; exec {command}"], capture_output=True,
+                               text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert pydicom.dcmread(out / "seg.dcm").PixelData == pydicom.dcmread(demo_run[0] / "seg.dcm").PixelData
+
+
 def test_pipeline_leaves_no_seg_alone_when_the_nifti_fails(tmp_path):
     """run_study writes both results or neither: a SEG without its NIfTI would pass for a whole result."""
     from medserve.demo.study import write_ct_series

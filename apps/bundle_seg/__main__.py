@@ -1,8 +1,12 @@
 import sys
+from pathlib import Path
 
 from medserve.stopping import block_stop_signals
 
 block_stop_signals()  # before app imports torch, Holoscan and the SDK, which start threads (see medserve.stopping)
+
+# `python apps/bundle_seg` puts this folder on sys.path; `python -m apps.bundle_seg` the working directory only.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from app import main  # noqa: E402
 
