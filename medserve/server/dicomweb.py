@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from xml.etree import ElementTree
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import BinaryIO
@@ -180,10 +181,10 @@ class DicomWebClient:
             r = httpx.post(self.url + "/studies", content=body(), headers=headers, timeout=self.timeout)
         except httpx.HTTPError as error:
             raise self._fail(error, "store") from error
-        try:
-            answer = r.json()
-        except ValueError:
-            answer = {}
+        answer = _stow_answer(r)
+        if answer is None and r.status_code == 202:  # 202: some instances refused, and the answer says which
+            raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered 202 (some instances not stored) "
+                                f"with an answer that is neither DICOM JSON nor XML: {r.text[:200]!r}", False)
         # A store may take some instances and refuse others (200 or 202), or refuse all (409): either way the
         # refused ones are listed in the Failed SOP Sequence, whatever the status says.
         refused = _refused_instances(answer)
@@ -198,6 +199,37 @@ class DicomWebClient:
         return answer if isinstance(answer, dict) else {}
 
 
+def _stow_answer(response: httpx.Response) -> dict | None:
+    """A STOW-RS answer in the DICOM JSON shape: as sent, or converted from DICOM XML (PS3.19 native model),
+    which some stores send whatever was asked for; {} for an empty body, None when it is neither."""
+    text = response.text.strip()
+    if not text:
+        return {}
+    try:
+        answer = response.json()
+    except ValueError:
+        return _json_from_xml(text)
+    return answer if isinstance(answer, dict) else None
+
+
+def _json_from_xml(text: str) -> dict | None:
+    """The Failed SOP Sequence of a DICOM XML answer as DICOM JSON (the one part of it we read)."""
+    try:
+        root = ElementTree.fromstring(text)
+    except ElementTree.ParseError:
+        return None
+    items = []
+    for sequence in root.iter("DicomAttribute"):
+        if sequence.get("tag", "").upper() != FAILED_SOP_SEQUENCE:
+            continue
+        for item in sequence.findall("Item"):
+            reason = next((attribute.findtext("Value") for attribute in item.findall("DicomAttribute")
+                           if attribute.get("tag", "").upper() == FAILURE_REASON), None)
+            code = int(reason) if reason is not None and reason.strip().isdigit() else None
+            items.append({FAILURE_REASON: {"vr": "US", "Value": [code]}} if code is not None else {})
+    return {FAILED_SOP_SEQUENCE: {"vr": "SQ", "Value": items}} if items else {}
+
+
 def _refused_instances(answer: object) -> list[dict]:
     """The items of a STOW-RS answer's Failed SOP Sequence (0008,1198), in DICOM JSON."""
     sequence = answer.get(FAILED_SOP_SEQUENCE) if isinstance(answer, dict) else None
@@ -207,8 +239,9 @@ def _refused_instances(answer: object) -> list[dict]:
 
 def _failure_reason(item: dict) -> str:
     """An item's Failure Reason (0008,1197) as `0xA700 (out of resources)`; "unknown" when it has none."""
-    values = (item.get(FAILURE_REASON) or {}).get("Value") or [None]
-    code = values[0]
+    element = item.get(FAILURE_REASON)
+    values = element.get("Value") if isinstance(element, dict) else None
+    code = values[0] if isinstance(values, list) and values else None
     if not isinstance(code, int):
         return "unknown"
     name = FAILURE_REASONS.get(code)

@@ -411,6 +411,9 @@ class JobQueue:
             message = f"storing the SEG back to {target} failed: {error.message}"
             self._record_writeback(job_id, target, "failed", message)
             raise DicomWebError(error.status, error.code, message, error.retryable) from error
+        except Exception as error:  # a fault of ours or of a library: the STOW was sent, so say how it ended
+            self._record_writeback(job_id, target, "failed", f"{type(error).__name__}: {error}")
+            raise
         self._record_writeback(job_id, target, "done", None)
 
     def _record_writeback(self, job_id: str, target: str, state: str, error: str | None) -> None:

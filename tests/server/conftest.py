@@ -200,14 +200,15 @@ def thr_server(make_server) -> ServerThread:
 class FakeDicomWeb:
     """A DICOMweb store on 127.0.0.1 that records what the server asks of it: every GET path, and the SOP Instance
     UIDs of each STOW-RS. WADO-RS answers with the files of `study`, each part labelled `part_type`; `on_stow` runs
-    before a STOW is answered, with `stow_answer` (status, DICOM JSON body). A test may change the attributes."""
+    before a STOW is answered, with `stow_answer` (status, DICOM JSON body, or text sent as DICOM XML). A test may
+    change the attributes."""
 
     def __init__(self, study: Path | None = None, on_stow: Callable[[], None] | None = None) -> None:
         self.paths: list[str] = []
         self.stowed: list[list[str]] = []
         self.study = study
         self.part_type = "application/dicom"
-        self.stow_answer: tuple[int, dict] = (200, {})
+        self.stow_answer: tuple[int, dict | str] = (200, {})
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -231,7 +232,10 @@ class FakeDicomWeb:
                 if on_stow is not None:
                     on_stow()
                 status, answer = fake.stow_answer
-                self._answer(status, json.dumps(answer).encode(), "application/dicom+json")
+                if isinstance(answer, str):
+                    self._answer(status, answer.encode(), "application/dicom+xml")
+                else:
+                    self._answer(status, json.dumps(answer).encode(), "application/dicom+json")
 
             def _body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding") != "chunked":

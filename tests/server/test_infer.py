@@ -397,3 +397,39 @@ def test_files_without_the_dicom_preamble_are_accepted_as_the_app_accepts_them(t
     files[1] = (name, (filename, content[132:], content_type))  # no preamble, no "DICM": starts at group 0002
     r = httpx.post(thr_server.url + "/v1/models/thr/infer", files=files, timeout=120)
     assert r.status_code == 200, r.text  # all four slices: one left out would be a 422 (a missing slice)
+
+
+_XML_REFUSAL = """<?xml version="1.0" encoding="UTF-8"?>
+<NativeDicomModel>
+  <DicomAttribute tag="00081198" vr="SQ" keyword="FailedSOPSequence">
+    <Item number="1">
+      <DicomAttribute tag="00081150" vr="UI"><Value number="1">1.2</Value></DicomAttribute>
+      <DicomAttribute tag="00081197" vr="US" keyword="FailureReason"><Value number="1">42752</Value></DicomAttribute>
+    </Item>
+  </DicomAttribute>
+</NativeDicomModel>"""
+
+
+@pytest.mark.parametrize("status,answer,problem", [
+    (202, _XML_REFUSAL, "STOW-RS answered 202 but the store refused 1 of 1 instances (failure reasons: 0xA700 "
+                        "(out of resources))"),
+    (202, "<html>proxy says hi</html", "STOW-RS answered 202 (some instances not stored) with an answer that is "
+                                       "neither DICOM JSON nor XML"),
+    (200, {"00081198": {"vr": "SQ", "Value": [{"00081197": "garbled"}]}},
+     "STOW-RS answered 200 but the store refused 1 of 1 instances (failure reasons: unknown)"),
+], ids=["xml-refusal", "unreadable-202", "malformed-reason"])
+def test_stow_answers_in_other_shapes_are_read_for_refusals(tmp_path: Path, status, answer, problem) -> None:
+    seg = next(iter(sorted(small_study(tmp_path / "study", size=16, slices=2).iterdir())))
+    with FakeDicomWeb() as store:
+        store.stow_answer = (status, answer)
+        with pytest.raises(DicomWebError) as raised:
+            DicomWebClient(store.url, 10).store([seg])
+    assert raised.value.code == "dicomweb_store_refused" and raised.value.message.startswith(problem), \
+        raised.value.message
+
+
+def test_an_empty_stow_answer_is_success(tmp_path: Path) -> None:
+    seg = next(iter(sorted(small_study(tmp_path / "study", size=16, slices=2).iterdir())))
+    with FakeDicomWeb() as store:
+        store.stow_answer = (200, "")
+        assert DicomWebClient(store.url, 10).store([seg]) == {}

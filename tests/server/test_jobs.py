@@ -308,7 +308,8 @@ def test_a_replayed_upload_job_does_not_extract_the_upload_again(thr_server, stu
     from medserve.server import inputs
 
     url = thr_server.url
-    created = httpx.post(url + "/v1/uploads", headers={"Tus-Resumable": "1.0.0", "Upload-Length": str(len(_zip_of(study)))})
+    created = httpx.post(url + "/v1/uploads",
+                         headers={"Tus-Resumable": "1.0.0", "Upload-Length": str(len(_zip_of(study)))})
     httpx.patch(created.headers["Location"], content=_zip_of(study), headers={
         "Tus-Resumable": "1.0.0", "Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"})
     body = {"upload": created.headers["Location"].rsplit("/", 1)[-1]}
@@ -371,6 +372,23 @@ def test_a_writeback_the_store_refuses_fails_the_job_and_keeps_no_result(make_se
     assert result.status_code == 409 and result.json()["error"] == "job_has_no_result", result.text
     _gone(server.config.jobs_dir / job["id"])  # no result: no folder
     assert (server.config.jobs_dir / done["id"] / "result").is_dir()
+
+
+def test_a_writeback_that_breaks_on_our_side_still_says_how_it_ended(make_server, study: Path, monkeypatch) -> None:
+    """A fault while storing (not the store's answer) fails the job, and writeback_result says so rather than
+    `not_attempted`: the STOW may have been sent."""
+    from medserve.server.dicomweb import DicomWebClient
+
+    def broken(self, files):
+        raise RuntimeError("encoder on fire")
+
+    with FakeDicomWeb(study) as store:
+        server = with_thr(make_server(dicomweb_url=store.url))
+        monkeypatch.setattr(DicomWebClient, "store", broken)
+        job = httpx.post(server.url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+        job = _wait(server.url, job["id"], ("succeeded", "failed"))
+    assert (job["state"], job["error"]) == ("failed", "RuntimeError: encoder on fire"), job
+    assert job["writeback_result"] == {"target": store.url, "state": "failed", "error": "RuntimeError: encoder on fire"}
 
 
 def test_a_job_admitted_while_its_model_is_being_replaced_waits_for_the_files(make_server, study: Path) -> None:
