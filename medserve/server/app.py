@@ -69,6 +69,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     """The app, with the data dir taken for this process (DataDirInUse when another server holds it) before
     anything in it is cleaned up or recovered; the lifespan's end gives it back."""
     data_lock = lock_data_dir(config.data_dir)
+    jobs: JobQueue | None = None
     try:
         for folder in (config.data_dir, config.uploads_dir, config.jobs_dir, config.tmp_dir):
             folder.mkdir(parents=True, exist_ok=True)
@@ -77,27 +78,35 @@ def create_app(config: ServerConfig) -> FastAPI:
         metrics = Metrics()
         store = ModelStore(config, on_change=metrics.store_changed)
         jobs = JobQueue(config, store, metrics)
-    except BaseException:
+        metrics.watch_jobs(jobs.counts)
+        upload_store = UploadStore(config.uploads_dir, config.max_upload_bytes, config.upload_expiry_seconds)
+        auth = Authenticator(load_tokens(config.tokens_file))
+    except BaseException:  # a bad tokens file, say: leave the data dir free for the corrected retry
+        if jobs is not None:
+            jobs.close()
         data_lock.close()
         raise
-    metrics.watch_jobs(jobs.counts)
-    upload_store = UploadStore(config.uploads_dir, config.max_upload_bytes, config.upload_expiry_seconds)
-    auth = Authenticator(load_tokens(config.tokens_file))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store.start()
-        jobs.start()
-        sweeper = asyncio.create_task(_sweep(upload_store))
-        log.info("serving store %s, data in %s", config.store, config.data_dir)
+        sweeper = None
         try:
+            store.start()
+            jobs.start()
+            sweeper = asyncio.create_task(_sweep(upload_store))
+            log.info("serving store %s, data in %s", config.store, config.data_dir)
             yield
         finally:
-            sweeper.cancel()
-            jobs.stop()
-            store.stop()
-            jobs.close()
-            data_lock.close()
+            if sweeper is not None:
+                sweeper.cancel()
+            try:
+                jobs.stop()
+                store.stop()
+            finally:
+                jobs.close()
+                # A worker still in a forward pass may write into the data dir until it ends: no other server
+                # may take the folder before then.
+                jobs.when_workers_end(data_lock.close)
 
     app = FastAPI(title="medserve", version="0.1.0", lifespan=lifespan,
                   description="MONAI bundles served by folder name: DICOM in, DICOM SEG out.")

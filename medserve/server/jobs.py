@@ -23,6 +23,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -278,6 +279,21 @@ class JobQueue:
         for row in requeued:
             log.info("job %s still running at the stop; it runs again at the next start", row["id"])
 
+    def when_workers_end(self, action: Callable[[], None]) -> None:
+        """Run `action` once every worker thread has ended: now when they have, else from a watcher thread."""
+        alive = [thread for thread in self._workers if thread.is_alive()]
+        if not alive:
+            action()
+            return
+
+        def wait() -> None:
+            for thread in alive:
+                thread.join()
+            action()
+
+        log.info("%d job workers still running after the stop; the data dir stays locked until they end", len(alive))
+        threading.Thread(target=wait, name="jobs-ended", daemon=True).start()
+
     def _claim(self) -> sqlite3.Row | None:
         rows = self._exec(
             "UPDATE jobs SET state='running', started=?, attempts=attempts+1, stage='starting', progress=0.05 "
@@ -423,7 +439,8 @@ class JobQueue:
     def _succeed(self, job_id: str, timings: dict[str, float]) -> bool:
         """Mark a running job succeeded; False when it is no longer running (cancelled meanwhile)."""
         return bool(self._exec("UPDATE jobs SET state='succeeded', progress=1, stage='done', finished=?, timings=? "
-                               "WHERE id=? AND state='running' RETURNING id", (time.time(), json.dumps(timings), job_id)))
+                               "WHERE id=? AND state='running' RETURNING id",
+                               (time.time(), json.dumps(timings), job_id)))
 
     def _fail(self, job_id: str, message: str, timings: dict[str, float]) -> None:
         """A failed job keeps no result, even one that was complete (a write-back the store refused): the result

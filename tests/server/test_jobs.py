@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import sqlite3
@@ -9,12 +10,15 @@ import subprocess
 import sys
 import time
 import zipfile
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pydicom
 import pytest
 
+from medserve.server.app import create_app
+from medserve.server.lock import DataDirInUse, lock_data_dir
 from tests.conftest import make_threshold_bundle
 from tests.server.conftest import (REPO, FakeDicomWeb, ServerProcess, add_bundle, free_port, multipart_files,
                                    small_study, with_thr)
@@ -443,6 +447,8 @@ def test_a_clean_stop_records_jobs_that_finish_in_the_grace_period_and_requeues_
     quick = httpx.post(url + "/v1/jobs?model=thr", files=files).json()["id"]
     _wait_for_stage(url, quick, "inferring")
     first.__exit__(None, None, None)  # a graceful stop, as uvicorn does on SIGTERM
+    with pytest.raises(DataDirInUse):  # the slow job's worker may still write into it: nobody takes it yet
+        create_app(first.config)
     release.set()
     for worker in first.app.state.jobs._workers:  # the slow job's worker: it can record nothing any more
         worker.join(timeout=60)
@@ -450,10 +456,44 @@ def test_a_clean_stop_records_jobs_that_finish_in_the_grace_period_and_requeues_
     rows = dict(db.execute("SELECT id, state || ' ' || attempts FROM jobs").fetchall())
     db.close()
     assert rows == {quick: "succeeded 1", slow: "queued 0"}, rows
+    _free_within(first.config.data_dir, 10)  # given back once that worker has ended
     second = make_server(port=free_port())  # the same data folder
     done = _wait(second.url, slow, ("succeeded", "failed"))
     assert done["state"] == "succeeded" and done["attempts"] == 1, done
     assert httpx.get(f"{second.url}/v1/jobs/{quick}/result").status_code == 200
+
+
+def _free_within(data_dir: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            lock_data_dir(data_dir).close()
+            return
+        except DataDirInUse:
+            assert time.monotonic() < deadline, f"{data_dir} is still locked"
+            time.sleep(0.05)
+
+
+def test_a_server_that_fails_to_start_leaves_the_data_dir_free(make_server, base_config, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("only-a-token\n")
+    with pytest.raises(ValueError, match="expected 'TOKEN SCOPE"):
+        create_app(replace(base_config, tokens_file=tokens))
+    _free_within(base_config.data_dir, 0)
+    store_file = tmp_path / "not-a-folder"
+    store_file.write_text("")
+    failing = create_app(replace(base_config, store=store_file))  # fails when its lifespan starts the store
+
+    async def start_and_stop() -> None:
+        async with failing.router.lifespan_context(failing):
+            pass
+
+    with pytest.raises(OSError):
+        asyncio.run(start_and_stop())
+    _free_within(base_config.data_dir, 5)
+    tokens.write_text("a-token infer\n")
+    server = make_server(tokens_file=tokens)
+    assert httpx.get(server.url + "/healthz").status_code == 200
 
 
 def _answer_before_the_body(port: int, path: str, content_type: str) -> tuple[int, dict]:
