@@ -75,11 +75,18 @@ def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nif
     raise to stop waiting (a cancelled job, a stopping server); `on_stage` reports the run's own stages."""
     start = time.monotonic()
     on_wait("waiting for the model")
-    with store.use(name, lambda: on_wait("waiting for the model")) as queued:
-        # Only once admitted: the model's files may start changing while the job waits for its turn.
-        predictor = _settled_predictor(store, name, lambda: on_wait("waiting for the model's files to settle"))
-        on_stage("inferring", 0.4)
-        return _run(predictor, spec, out_dir, nifti, queued, start)
+    while True:
+        # Outside the model's queue, so that sync requests meanwhile get model_settling at once, not a wait.
+        _settled_predictor(store, name, lambda: on_wait("waiting for the model's files to settle"))
+        with store.use(name, lambda: on_wait("waiting for the model")) as queued:
+            try:
+                predictor = store.predictor(name)
+            except ApiError as error:
+                if error.code != "model_settling":
+                    raise
+                continue  # its files started changing while the job waited for its turn: wait again, outside
+            on_stage("inferring", 0.4)
+            return _run(predictor, spec, out_dir, nifti, queued, start)
 
 
 def _settled_predictor(store: ModelStore, name: str, check: Callable[[], None]) -> Any:

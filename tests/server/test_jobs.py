@@ -418,6 +418,38 @@ def _wait_for_stage(url: str, job_id: str, stage: str, timeout: float = 30) -> d
     return job
 
 
+def test_a_sync_request_is_not_queued_behind_a_job_waiting_for_the_model_to_settle(make_server,
+                                                                                    study: Path) -> None:
+    """A job waits for a model whose files are still changing; a sync request on it meanwhile answers 503
+    model_settling at once (it would otherwise wait behind the job for the model's only slot)."""
+    import threading
+
+    server = with_thr(make_server(stable_seconds=2.0, queue_timeout=30.0))
+    url = server.url
+    assert httpx.post(url + "/v1/models/thr/unload").status_code == 200
+    copied = threading.Event()
+
+    def copying() -> None:  # a new version still being copied
+        for number in range(200):
+            if copied.is_set():
+                return
+            (server.config.store / "thr" / "configs" / "notes.json").write_text(str(number))
+            time.sleep(0.3)
+
+    threading.Thread(target=copying, daemon=True).start()
+    try:
+        server.store.wait_until("thr", ("copying",), 10)
+        job = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait_for_stage(url, job["id"], "waiting for the model's files to settle")
+        started = time.monotonic()
+        answer = httpx.post(url + "/v1/models/thr/infer", files=multipart_files(study), timeout=60)
+        assert (answer.status_code, answer.json()["error"]) == (503, "model_settling"), answer.text
+        assert time.monotonic() - started < 5
+    finally:
+        copied.set()
+    assert _wait(url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
+
+
 def test_a_clean_stop_records_jobs_that_finish_in_the_grace_period_and_requeues_the_rest(
         make_server, study: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A graceful stop (what SIGTERM does): a job that finishes within the grace period is recorded as succeeded,
