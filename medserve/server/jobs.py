@@ -61,9 +61,6 @@ CREATE TABLE IF NOT EXISTS jobs (
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state, created);
 """
-# Columns added since the first release, added to an older data dir's table at start: (name, type).
-LATER_COLUMNS = (("writeback_result", "TEXT"),)  # JSON {"target", "state", "error"} once the STOW-RS has ended
-
 STOP_GRACE_S = 5.0  # how long a stopping server waits for running jobs to finish
 # A clean stop interrupts a job through no fault of its own: back to the queue, the attempt given back.
 REQUEUE_ON_STOP = ("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, "
@@ -98,10 +95,8 @@ class JobQueue:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")  # durable against a killed process, cheap commits
         self._db.executescript(SCHEMA)
-        present = {column["name"] for column in self._db.execute("PRAGMA table_info(jobs)")}
-        for name, kind in LATER_COLUMNS:
-            if name not in present:
-                self._db.execute(f"ALTER TABLE jobs ADD COLUMN {name} {kind}")
+        if "writeback_result" not in {column["name"] for column in self._db.execute("PRAGMA table_info(jobs)")}:
+            self._add_writeback_result()
         self._lock = threading.Lock()
         self._closed = False
         self._wake = threading.Condition()
@@ -115,6 +110,19 @@ class JobQueue:
             if self._closed:  # a worker still running when the server stopped
                 raise ServerStopping()
             return self._db.execute(sql, args).fetchall()
+
+    def _add_writeback_result(self) -> None:
+        """A data dir from before the write-back's own record (JSON {"target", "state", "error"} once the STOW-RS
+        has ended): the column, and what the old rows imply. A job with writeback succeeded only after its STOW,
+        so those are `done` (where to was not recorded); jobs that ended without a result report progress 0 and
+        keep no result files, as jobs do now."""
+        self._db.execute("ALTER TABLE jobs ADD COLUMN writeback_result TEXT")
+        self._db.execute("UPDATE jobs SET writeback_result=? WHERE writeback AND state='succeeded'",
+                         (json.dumps({"target": None, "state": "done", "error": None}),))
+        ended = self._db.execute("UPDATE jobs SET progress=0, outputs=NULL WHERE state IN ('failed', 'cancelled') "
+                                 "RETURNING id").fetchall()
+        for row in ended:
+            shutil.rmtree(self.root / row["id"] / "result", ignore_errors=True)
 
     def recover(self) -> None:
         """Rows a killed server left `running`: rerun them, or fail them once they have used their attempts."""

@@ -395,6 +395,30 @@ def test_a_writeback_that_breaks_on_our_side_still_says_how_it_ended(make_server
     assert job["writeback_result"] == {"target": store.url, "state": "failed", "error": "RuntimeError: encoder on fire"}
 
 
+def test_jobs_from_before_the_writeback_record_read_as_they_ended(make_server, base_config) -> None:
+    """A data dir from before writeback_result: its succeeded write-back job was done (it succeeded only after the
+    STOW), and a failed one reports progress 0 and keeps no result, as jobs do now."""
+    from medserve.server.jobs import SCHEMA
+
+    base_config.jobs_dir.mkdir(parents=True)
+    db = sqlite3.connect(base_config.db_path)
+    db.executescript(SCHEMA)
+    for job_id, state, progress in (("old-done", "succeeded", 1.0), ("old-failed", "failed", 0.95)):
+        db.execute("INSERT INTO jobs (id, model, state, progress, input, writeback, created, outputs) VALUES "
+                   "(?, 'thr', ?, ?, ?, 1, 0, ?)",
+                   (job_id, state, progress, '{"kind": "dicomweb", "study": "1.2.3"}', '{"seg": "seg.dcm"}'))
+        (base_config.jobs_dir / job_id / "result").mkdir(parents=True)
+        (base_config.jobs_dir / job_id / "result" / "seg.dcm").write_bytes(b"")
+    db.commit()
+    db.close()
+    url = with_thr(make_server()).url
+    done, failed = (httpx.get(f"{url}/v1/jobs/{job_id}").json() for job_id in ("old-done", "old-failed"))
+    assert done["writeback_result"] == {"target": None, "state": "done", "error": None}, done
+    assert (failed["progress"], failed["outputs"], failed["writeback_result"]["state"]) == (0, [], "not_attempted")
+    assert not (base_config.jobs_dir / "old-failed" / "result").exists()
+    assert (base_config.jobs_dir / "old-done" / "result" / "seg.dcm").is_file()
+
+
 def test_a_job_admitted_while_its_model_is_being_replaced_waits_for_the_files(make_server, study: Path) -> None:
     """The model's files start changing while the job waits for its turn: once admitted, the job waits for them
     to settle (as it does before), instead of failing with model_settling."""
