@@ -408,7 +408,6 @@ class BundlePredictor:
         return torch.where(count > 0, class_indices(present.to(torch.uint8)) + 1, 0)
 
 
-
 def _steps(transform: Any) -> list[Any]:
     """The transforms of a (nested) Compose, in order; [] for none."""
     if transform is None:
@@ -437,6 +436,7 @@ def _prediction_key(layout: BundleLayout, steps: list[Any]) -> str:
     named = layout.output_key
     keys = {str(key) for step in steps for key in ensure_tuple(getattr(step, "keys", ()))}
     return named if named != _PREDICTION_KEY and named in keys and _PREDICTION_KEY not in keys else _PREDICTION_KEY
+
 
 def _wrappable(array: np.ndarray, dtype: np.dtype | type | None = None) -> np.ndarray:
     """`array` (as `dtype`) in a form `torch.from_numpy` can share: as it is when writable with non-negative

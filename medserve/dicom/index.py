@@ -197,7 +197,7 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         study_uid = uid_value(dataset, "StudyInstanceUID")
         series_uid = uid_value(dataset, "SeriesInstanceUID")
         if not study_uid or not series_uid:
-            if _has_dicom_preamble(path):
+            if not instance.without_preamble:  # parsed without force: it has the preamble
                 # pydicom returns what it could read of a cut file; an object without its UIDs is damaged.
                 missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
                                                        ("SeriesInstanceUID", series_uid)) if not v)

@@ -105,15 +105,11 @@ def segment_concept(label: str) -> tuple[Code, Code]:
     return category, kind
 
 
-def laterality_modifier(label: str) -> Code | None:
-    """The laterality (CID 244) a label name states beyond its coded structure, for the segment's type modifier:
-    "kidney_left" is a Kidney modified Left, "left atrium" a structure of its own with no modifier. Without a
-    modifier, a bundle's left and right kidneys would be coded alike."""
-    return _segment_coding(label)[2]
-
-
 @functools.lru_cache(maxsize=1024)
 def _segment_coding(label: str) -> tuple[Code, Code, Code | None]:
+    """(category, type, laterality): the laterality (CID 244) is the side a name states beyond its coded
+    structure, for the segment's type modifier ("kidney_left" is a Kidney modified Left, "left atrium" a structure
+    of its own with none); without it a bundle's left and right kidneys would be coded alike."""
     words = [_SPELLINGS.get(w.lower(), w) for w in re.split(r"[^0-9A-Za-z]+", label) if w]
     sides = {w.lower() for w in words} & _LATERALITY_WORDS.keys()
     structure_words = [w for w in words if w.lower() not in _LATERALITY_WORDS]
