@@ -306,7 +306,8 @@ def worker_seg(impl: str, syntax: str) -> dict:
             del image
             selection[0].selected_series[0].image = None  # the writer needs the series, not the volume
             label_map = bench_label_map()
-            writer = DICOMSegmentationWriterOperator(stock_fragment(), segment_descriptions=_stock_segment_descriptions(),
+            writer = DICOMSegmentationWriterOperator(stock_fragment(),
+                                                     segment_descriptions=_stock_segment_descriptions(),
                                                      output_folder=out_dir, name="seg_writer")
             gc.collect()
             meter = PeakMeter()
@@ -391,7 +392,8 @@ def worker_profile(syntax: str) -> dict:
         "  hd.Volume(...) + affine": cumulative("highdicom/volume", "__init__"),
     }
     # Pixels are read by worker threads, which cProfile does not see: their time is what remains.
-    accounted = sum(stages[k] for k in ("  _check_geometry_attributes", "  _slice_order (highdicom get_volume_positions)",
+    accounted = sum(stages[k] for k in ("  _check_geometry_attributes",
+                                        "  _slice_order (highdicom get_volume_positions)",
                                         "  hd.Volume(...) + affine"))
     stages["  read_slices (threads: read/decode, first touch of the array, rescale)"] = max(t3 - t2 - accounted, 0)
     top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:15]

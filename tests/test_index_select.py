@@ -154,7 +154,8 @@ def test_image_without_its_series_uid_is_refused_saying_which_uid(tmp_path):
     dataset = pydicom.dcmread(victim)
     del dataset.SeriesInstanceUID
     dataset.save_as(victim)
-    with pytest.raises(DicomInputError, match=rf"^{re.escape(str(victim))}: corrupt or truncated DICOM file, or an incomplete object: SeriesInstanceUID missing$"):
+    with pytest.raises(DicomInputError, match=rf"^{re.escape(str(victim))}: corrupt or truncated DICOM file, "
+                                              r"or an incomplete object: SeriesInstanceUID missing$"):
         index_folder(tmp_path / "study")
 
 

@@ -115,7 +115,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["auto", "podman", "docker"], default="auto")
     # nargs="+" made optional, not "*": argparse would take an empty "*" right after IMAGE and then refuse
     # the arguments after `--` (`medserve run IMAGE -i IN -o OUT -- ARGS`).
-    app_args = p.add_argument("args", nargs="+", default=[], metavar="ARG", help="arguments passed to the app, after --")
+    app_args = p.add_argument("args", nargs="+", default=[], metavar="ARG",
+                              help="arguments passed to the app, after --")
     app_args.required = False
     p.set_defaults(handler=_run)
 

@@ -63,7 +63,8 @@ def user_setup(uid: int, gid: int) -> str:
     user is reused."""
     return (
         f'other=$(getent passwd {uid} | cut -d: -f1); '
-        f'if [ -n "$other" ] && [ "$other" != holoscan ]; then userdel -r "$other" 2>/dev/null || userdel "$other"; fi; '
+        f'if [ -n "$other" ] && [ "$other" != holoscan ]; then '
+        f'userdel -r "$other" 2>/dev/null || userdel "$other"; fi; '
         f'groupadd -f -g {gid} holoscan; '
         f'id -u holoscan >/dev/null 2>&1 || useradd -m -d /home/holoscan -s /bin/bash -g {gid} -u {uid} holoscan'
     )
@@ -97,8 +98,11 @@ ENV HOLOSCAN_INPUT_PATH={layout.FULL_INPUT_PATH} \\
     HOLOSCAN_VERSION={inputs.holoscan_version}
 
 RUN set -e; \\
-    for tool in bash jq python3; do command -v $tool >/dev/null || {{ echo "base image lacks $tool" >&2; exit 1; }}; done; \\
-    python3 -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else "base image python3 must be 3.11 (holoscan-cu13 cp311 wheels)")'; \\
+    for tool in bash jq python3; do \\
+        command -v $tool >/dev/null || {{ echo "base image lacks $tool" >&2; exit 1; }}; \\
+    done; \\
+    python3 -c 'import sys; sys.exit(0 if sys.version_info[:2] == (3, 11) else \\
+        "base image python3 must be 3.11 (holoscan-cu13 cp311 wheels)")'; \\
     mkdir -p /etc/holoscan {layout.APP_DIR} {layout.LIB_DIR} {layout.MODELS_DIR} {layout.FULL_INPUT_PATH} \\
         {layout.FULL_OUTPUT_PATH} {layout.LOGS_DIR} {layout.EXPORT_ROOT}; \\
     {user_setup(inputs.uid, inputs.gid)}; \\

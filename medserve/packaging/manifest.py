@@ -64,7 +64,8 @@ def find_app(path: Path) -> AppSource:
 
 
 def _is_bundle(path: Path) -> bool:
-    return (path / "configs").is_dir() and ((path / "models").is_dir() or (path / "configs" / "metadata.json").is_file())
+    return (path / "configs").is_dir() and ((path / "models").is_dir()
+                                            or (path / "configs" / "metadata.json").is_file())
 
 
 def _checked_bundle(path: Path) -> Path:

@@ -28,7 +28,8 @@ logger = logging.getLogger("medserve.packaging.registry")
 
 _UNREACHABLE = re.compile(r"connection refused|no such host|i/o timeout|network is unreachable|"
                           r"connection reset|server gave HTTP response to HTTPS client|dial tcp", re.I)
-_UNAUTHORIZED = re.compile(r"unauthorized|authentication required|\b401\b|invalid username/password|access.denied|requested access", re.I)
+_UNAUTHORIZED = re.compile(r"unauthorized|authentication required|\b401\b|invalid username/password|access.denied"
+                           r"|requested access", re.I)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ def _classify(error: subprocess.CompletedProcess, host: str, action: str,
     if _UNREACHABLE.search(text):
         return PackagingError(f"{action}: registry {host} is unreachable: {last}")
     if _UNAUTHORIZED.search(text):
-        who = f"credentials from {credentials.source}" if credentials else "no credentials (set MEDSERVE_REGISTRY_USER/_PASSWORD)"
+        who = (f"credentials from {credentials.source}" if credentials
+               else "no credentials (set MEDSERVE_REGISTRY_USER/_PASSWORD)")
         return PackagingError(f"{action}: registry {host} rejected {who}: {last}")
     return PackagingError(f"{action} failed: {last}")
 

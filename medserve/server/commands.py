@@ -66,7 +66,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--data-dir", type=Path, default=Path(".medserve"), help="jobs, uploads (default .medserve/)")
     serve.add_argument("--tokens", type=Path, help="bearer tokens file: one 'TOKEN SCOPE[,SCOPE]' per line")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback address without tokens")
-    serve.add_argument("--max-models", type=_at_least(1, int), help="keep at most this many models loaded (LRU eviction)")
+    serve.add_argument("--max-models", type=_at_least(1, int),
+                       help="keep at most this many models loaded (LRU eviction)")
     serve.add_argument("--max-memory-mb", type=_positive, help="keep loaded models under this many MB (LRU eviction)")
     serve.add_argument("--preload", action="append", default=[], metavar="NAME",
                        help="load this model at start; /readyz waits for it (repeatable; 'all' for every bundle)")

@@ -50,7 +50,8 @@ def _in_channels(network: Any) -> int:
 async def server_metadata() -> dict[str, Any]:
     import medserve
 
-    return {"name": "medserve", "version": getattr(medserve, "__version__", "0.1.0"), "extensions": ["binary_tensor_data"]}
+    return {"name": "medserve", "version": getattr(medserve, "__version__", "0.1.0"),
+            "extensions": ["binary_tensor_data"]}
 
 
 @router.get("/health/live")
@@ -162,7 +163,7 @@ def _binary_output(req: dict[str, Any]) -> bool:
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    if request.app.state.store.entry(name).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
+    if app_state.store.entry(name).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
         raise ApiError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
     body = await limited(request, app_state.config.max_upload_bytes).body()
     req, binary = _parse_request(request.headers, body)

@@ -336,7 +336,8 @@ def test_dangling_symlink_is_one_error_line(tmp_path: Path, where: str, capsys: 
     code = cli_main(["package", str(app), "-c", str(write(tmp_path, GOOD)), "-t", "x:1", "-m", str(bundle)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("error: ") and f"cannot copy {link}: a symlink to {tmp_path / 'gone'}, which does not exist" in err
+    assert err.startswith("error: ")
+    assert f"cannot copy {link}: a symlink to {tmp_path / 'gone'}, which does not exist" in err
 
 
 def test_ca_bundle_found_where_pip_and_python_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,7 +425,8 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
     if case == "latin-1 app.yaml":
         config.write_bytes(config.read_bytes() + "# Résumé\n".encode("latin-1"))
     elif case == "latin-1 requirements":
-        (app / "requirements.txt").write_bytes((app / "requirements.txt").read_bytes() + "# Résumé\n".encode("latin-1"))
+        requirements = app / "requirements.txt"
+        requirements.write_bytes(requirements.read_bytes() + "# Résumé\n".encode("latin-1"))
     elif case == "symlink loop":
         (app / "up").symlink_to(app, target_is_directory=True)
     elif case == "models not a folder":
@@ -465,5 +467,6 @@ def test_hashed_requirements_are_read_and_kept_whole(tmp_path: Path) -> None:
                                                       "nvidia-cuda-runtime==13.0.96")]
     partial = "".join(f"{pin} \\\n    {HASH}\n" for pin in ("monai-deploy-app-sdk==4.0.0", "holoscan-cu13==4.2.0"))
     with pytest.raises(PackagingError, match=r"uses pip's hash-checking mode \(--hash\), so the build cannot add "
-                                             r"its own pins: add nvidia-cuda-runtime==13.0.\* to it, with their hashes"):
+                                             r"its own pins: add nvidia-cuda-runtime==13.0.\* to it, "
+                                             r"with their hashes"):
         _requirements(tmp_path / "partial", partial)

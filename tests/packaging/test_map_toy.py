@@ -251,7 +251,8 @@ def test_push_credentials(toy_image: str, registry, monkeypatch: pytest.MonkeyPa
         reg.push(toy_image, reference, "buildah")
     monkeypatch.setenv("MEDSERVE_REGISTRY_USER", "alice")
     monkeypatch.setenv("MEDSERVE_REGISTRY_PASSWORD", "wrong-password")
-    with pytest.raises(PackagingError, match="rejected credentials from MEDSERVE_REGISTRY_USER/MEDSERVE_REGISTRY_PASSWORD"):
+    with pytest.raises(PackagingError,
+                       match="rejected credentials from MEDSERVE_REGISTRY_USER/MEDSERVE_REGISTRY_PASSWORD"):
         reg.push(toy_image, reference, "buildah")
     monkeypatch.setenv("MEDSERVE_REGISTRY_PASSWORD", "correct-horse")
     digest = reg.push(toy_image, reference, "buildah")

@@ -116,8 +116,8 @@ def test_protocol_errors(make_server) -> None:
     url = _create(server, 10)
     # wrong offset -> 409, missing Tus-Resumable -> 412, wrong content type -> 415
     assert _patch(url, b"abc", 5).status_code == 409
-    assert httpx.patch(url, content=b"a", headers={"Upload-Offset": "0",
-                                                   "Content-Type": "application/offset+octet-stream"}).status_code == 412
+    not_tus = {"Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"}
+    assert httpx.patch(url, content=b"a", headers=not_tus).status_code == 412
     assert httpx.patch(url, content=b"a", headers={**TUS, "Upload-Offset": "0"}).status_code == 415
     # checksum mismatch -> 460 and nothing kept; correct checksum -> 204
     bad = "sha1 " + base64.b64encode(hashlib.sha1(b"other").digest()).decode()
@@ -209,8 +209,8 @@ def test_only_existing_uploads_get_a_lock_and_deleted_ones_drop_it(make_server) 
         assert r.status_code == 404, r.text
     created = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Upload-Length": "1"})
     location = created.headers["Location"]
-    assert httpx.patch(location, content=b"x", headers={**TUS, "Upload-Offset": "0",
-                                                        "Content-Type": "application/offset+octet-stream"}).status_code == 204
+    headers = {**TUS, "Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"}
+    assert httpx.patch(location, content=b"x", headers=headers).status_code == 204
     assert len(uploads._locks) == 1
     assert httpx.delete(location, headers=TUS).status_code == 204
     assert uploads._locks == {}
