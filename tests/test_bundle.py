@@ -54,7 +54,7 @@ def output_channels(config_path):
 
 
 @pytest.mark.parametrize("name", zoo_bundle_params(MODEL_ZOO))
-def test_model_zoo_configs_run_unchanged(zoo_bundle, name):
+def test_model_zoo_configs_run_unchanged(zoo_bundle, name, caplog):
     if name is None:
         state = "holds no bundle folders" if MODEL_ZOO.is_dir() else "does not exist"
         pytest.fail(f"{MODEL_ZOO} {state}; expected the model-zoo test data, one folder per published bundle")
@@ -65,7 +65,9 @@ def test_model_zoo_configs_run_unchanged(zoo_bundle, name):
         assert len(predictor.labels) == channels - 1
     labels = max(predictor.labels)
     volume, _ = phantom_volume()
-    label_map = predictor.predict(volume)
+    with caplog.at_level(logging.INFO, logger="medserve.bundle"):
+        label_map = predictor.predict(volume)
+    assert not [r for r in caplog.records if "not on the input grid" in r.getMessage()], "Invertd's result was moved"
     assert label_map.shape == volume.array.shape
     assert label_map.dtype == np.uint16
     assert label_map.flags.c_contiguous  # slices contiguous: what the SEG and NIfTI writers read fast
@@ -91,14 +93,54 @@ def test_the_chosen_device_reaches_the_zoo_bundles_inferer(zoo_bundle, name, mon
 
 @pytest.mark.parametrize("orientation", ["axial", "sagittal", "coronal", "oblique", "feet_first_flipped"])
 @pytest.mark.parametrize("axcodes", ["RAS", "LPS"])
-def test_prediction_lands_on_the_source_voxels_for_any_orientation(tmp_path, orientation, axcodes):
+def test_prediction_lands_on_the_source_voxels_for_any_orientation(tmp_path, orientation, axcodes, caplog):
     """The thresholding bundle resamples to 2 mm in its own axis order and back: its label map must be the
     threshold of the source voxels. A flip or transpose anywhere in the chain would break the overlap."""
     bundle = make_threshold_bundle(tmp_path / "threshold", pixdim=(2.0, 2.0, 2.0), axcodes=axcodes)
     predictor = BundlePredictor.from_dir(bundle, device="cpu")
     volume, _ = phantom_volume(spacing=(3.0, 1.5, 1.75), orientation=ORIENTATIONS[orientation], bone=False)
-    label_map = predictor.predict(volume)
+    with caplog.at_level(logging.INFO, logger="medserve.bundle"):
+        label_map = predictor.predict(volume)
     assert dice(label_map, volume.array > THRESHOLD_HU) > 0.93
+    assert not [r for r in caplog.records if "not on the input grid" in r.getMessage()], "Invertd's result was moved"
+
+
+def _without_invertd(bundle: Path) -> Path:
+    config_path = bundle / "configs" / "inference.json"
+    config = json.loads(config_path.read_text())
+    steps = config["postprocessing"]["transforms"]
+    config["postprocessing"]["transforms"] = [step for step in steps if step["_target_"] != "Invertd"]
+    config_path.write_text(json.dumps(config))
+    return bundle
+
+
+@pytest.mark.parametrize("orientation", ["axial", "sagittal", "coronal", "feet_first_flipped"])
+@pytest.mark.parametrize("axcodes", ["RAS", "PLI"])
+def test_without_invertd_a_reoriented_prediction_is_put_back_exactly(tmp_path, orientation, axcodes, caplog):
+    """A bundle without Invertd leaves its prediction in its own orientation, as SaveImaged would write it: on an
+    LPS axial series, RAS keeps the shape and mirrors rows and columns. At the volume's own spacing nothing is
+    resampled, so the label map must be the threshold of the source voxels exactly."""
+    bundle = _without_invertd(make_threshold_bundle(tmp_path / "b", pixdim=(2.0, 2.0, 2.0), axcodes=axcodes))
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    volume, _ = phantom_volume(spacing=(2.0, 2.0, 2.0), orientation=ORIENTATIONS[orientation], bone=False)
+    with caplog.at_level(logging.INFO, logger="medserve.bundle"):
+        label_map = predictor.predict(volume)
+    np.testing.assert_array_equal(label_map, volume.array > THRESHOLD_HU)
+    moved = [r for r in caplog.records if "not on the input grid" in r.getMessage()]
+    assert bool(moved) == (orientation != "axial" or axcodes != "LPS")  # an LPS bundle on an LPS series: no move
+
+
+def test_without_invertd_a_resampled_prediction_is_resampled_back(tmp_path):
+    """At another spacing the prediction has another shape: it is resampled onto the input grid (nearest), not
+    refused and not mirrored."""
+    bundle = _without_invertd(make_threshold_bundle(tmp_path / "b", pixdim=(3.0, 3.0, 3.5)))
+    volume, _ = phantom_volume(spacing=(2.5, 2.0, 2.0), bone=False)
+    label_map = BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
+    truth = volume.array > THRESHOLD_HU
+    assert label_map.shape == truth.shape
+    # Nearest neighbour from 3 mm labels: Invertd, which resamples class scores, reaches 0.94 on this small organ.
+    assert dice(label_map, truth) > 0.85
+    assert dice(label_map, truth[:, ::-1, ::-1]) < 0.5
 
 
 def test_any_array_layout_gives_the_same_label_map(threshold_bundle, monkeypatch):

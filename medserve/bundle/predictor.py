@@ -27,10 +27,12 @@ from typing import Any
 
 import highdicom as hd
 import monai
+import nibabel as nib
 import numpy as np
 import torch
 from monai.bundle import ConfigParser
 from monai.data import MetaTensor
+from monai.transforms import SpatialResample
 from monai.utils import CommonKeys, ensure_tuple
 
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
@@ -57,6 +59,8 @@ _MONAI_TRANSFORM_FAILURE = re.compile(r"applying transform <?([\w.]+)")
 _PREDICTION_KEY = str(CommonKeys.PRED)
 # A config value that is nothing but a reference to another entry: "@id" or "$@id" (ids nest with :: or #).
 _REFERENCE = re.compile(r"^\$?@([\w#:]+)$")
+# Affines equal within this (mm for the origin, mm per voxel for the axes) are the same grid.
+_GRID_TOLERANCE = 1e-3
 
 
 def default_device() -> torch.device:
@@ -269,7 +273,7 @@ class BundlePredictor:
             if self.postprocessing is not None:
                 with self._stage("postprocessing", on), MaxIndicesArgmax():
                     data = self._postprocess(data)
-        return self._label_map(self._prediction(data), shape)
+        return self._label_map(self._prediction(data), volume)
 
     def _postprocess(self, data: dict[str, Any]) -> Any:
         """The bundle's postprocessing on the device its network ran on, as the bundle's own evaluator runs it.
@@ -360,17 +364,21 @@ class BundlePredictor:
                                  f"or array of labels or class scores")
         return torch.from_numpy(_wrappable(array))
 
-    def _label_map(self, scores: torch.Tensor, shape: tuple[int, ...]) -> np.ndarray:
+    def _label_map(self, scores: torch.Tensor, volume: hd.Volume) -> np.ndarray:
+        shape = tuple(volume.array.shape)
+        grid = scores.affine if isinstance(scores, MetaTensor) else None
         if scores.ndim == 4 and scores.shape[0] > 1 and self.multi_label:
             scores = self._masks_as_labels(scores)
         elif scores.ndim == 4 and scores.shape[0] > 1:
             scores = class_indices(scores)  # the bundle left class scores: take the winning class
         elif scores.ndim == 4:
             scores = scores[0]
+        if grid is not None and scores.ndim == 3:
+            scores = self._on_input_grid(scores, grid, volume)
         values = scores.numpy()
-        if values.shape[::-1] != tuple(shape):
+        if values.shape[::-1] != shape:
             raise BundleError(f"bundle {self.name}: postprocessing returned shape {values.shape} (X, Y, Z); "
-                              f"expected the input's {tuple(shape)[::-1]}: does its postprocessing invert the "
+                              f"expected the input's {shape[::-1]}: does its postprocessing invert the "
                               f"preprocessing (Invertd)?")
         if values.dtype.kind == "f" and not np.isfinite(values).all():
             raise InferenceError(f"bundle {self.name}: postprocessing returned NaN or infinite values in "
@@ -384,6 +392,31 @@ class BundlePredictor:
         # as it lies. Writing the SEG and NIfTI of a 512x512x300 map took 4.0 s from the transposed view, 2.0 s
         # from a C-ordered copy, the copy included.
         return values.transpose(2, 1, 0).astype(np.uint16, order="C")
+
+    def _on_input_grid(self, labels: torch.Tensor, affine: torch.Tensor, volume: hd.Volume) -> torch.Tensor:
+        """Labels (X, Y, Z) whose RAS `affine` the postprocessing left as something other than the input's: moved
+        onto the input's grid.
+
+        A bundle without Invertd leaves its prediction in the space of its preprocessing, as MONAI's SaveImaged
+        writes it with that affine: Orientationd alone keeps the shape of an LPS series but mirrors rows and
+        columns, so the grid is checked, not the shape. When the two grids differ only by axis flips and
+        permutations the labels are rearranged exactly; otherwise they are resampled, nearest neighbour.
+        """
+        labels = labels.as_tensor() if isinstance(labels, MetaTensor) else labels
+        target = ras_affine(volume)
+        target_shape = tuple(volume.array.shape[::-1])
+        source = np.asarray(affine, dtype=np.float64)
+        if tuple(labels.shape) == target_shape and np.allclose(source, target, atol=_GRID_TOLERANCE):
+            return labels
+        log.info("prediction is not on the input grid; moving it there",
+                 extra={"bundle": self.name, "prediction_shape": list(labels.shape)})
+        exact = _reoriented(labels, source, target, target_shape)
+        if exact is not None:
+            return exact
+        resample = SpatialResample(mode="nearest", padding_mode="zeros", dtype=torch.float64)
+        moved = resample(MetaTensor(labels[None].to(torch.float32), affine=torch.as_tensor(source)),
+                         dst_affine=torch.as_tensor(target), spatial_size=target_shape)
+        return moved[0].as_tensor().to(labels.dtype)
 
     def _masks_as_labels(self, masks: torch.Tensor) -> torch.Tensor:
         """A multi-label output's binary channels (C, X, Y, Z) as one label map: channel i is label i + 1.
@@ -406,6 +439,20 @@ class BundlePredictor:
                                  f"than one mask (first: channels {names}); medserve writes one label per voxel "
                                  f"and cannot represent overlapping structures")
         return torch.where(count > 0, class_indices(present.to(torch.uint8)) + 1, 0)
+
+
+def _reoriented(labels: torch.Tensor, source: np.ndarray, target: np.ndarray,
+                target_shape: tuple[int, ...]) -> torch.Tensor | None:
+    """`labels` on the `source` grid rearranged onto the `target` grid by flips and axis permutations alone, or None
+    when the grids differ otherwise (spacing, origin, rotation)."""
+    transform = nib.orientations.ornt_transform(nib.orientations.io_orientation(source),
+                                                nib.orientations.io_orientation(target))
+    in_shape = tuple(labels.shape)
+    rearranged_affine = source @ nib.orientations.inv_ornt_aff(transform, in_shape)
+    out_shape = tuple(in_shape[int(axis)] for axis in np.argsort(transform[:, 0]))
+    if out_shape != target_shape or not np.allclose(rearranged_affine, target, atol=_GRID_TOLERANCE):
+        return None
+    return torch.from_numpy(np.ascontiguousarray(nib.orientations.apply_orientation(labels.numpy(), transform)))
 
 
 def _steps(transform: Any) -> list[Any]:
