@@ -17,9 +17,9 @@ import numpy as np
 from pydicom.dataset import Dataset
 
 from medserve.bundle.predictor import BundlePredictor
-from medserve.dicom.index import index_folder
+from medserve.dicom.index import index_folder, is_multiframe_dataset
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import LoadedSeries, load_series, lps_affine
+from medserve.dicom.volume import LoadedSeries, load_series, lps_affine, multiframe_geometry
 from medserve.errors import DicomInputError
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
@@ -55,12 +55,16 @@ def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, i
 
 def segmentation_of(source: LoadedSeries | list[Dataset], label_map: np.ndarray,
                     predictor: BundlePredictor) -> hd.seg.Segmentation:
-    """The SEG of `label_map` over `source`: a loaded series, or single-frame source images in the label map's
-    slice order (one per slice)."""
+    """The SEG of `label_map` over `source`: a loaded series, single-frame source images in the label map's
+    slice order (one per slice), or one multi-frame image.
+
+    A multi-frame source's frames need not be in volume order: the label map goes to highdicom as a Volume, which
+    it maps onto the frames by position."""
     if isinstance(source, LoadedSeries):
-        # A multi-frame source's frames need not be in volume order: highdicom maps a Volume onto them itself.
         pixels = source.volume.with_array(label_map) if source.series.is_multiframe else label_map
         datasets = source.source_datasets
+    elif len(source) == 1 and is_multiframe_dataset(source[0]):
+        pixels, datasets = multiframe_geometry(source[0]).with_array(label_map), source
     else:
         pixels, datasets = label_map, source
     return build_seg(pixels, datasets, predictor.labels, Algorithm(predictor.name, predictor.version))

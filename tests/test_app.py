@@ -26,7 +26,8 @@ from medserve.demo.phantom import dice
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import ras_affine, series_to_volume
-from medserve.pipeline import run_study
+from medserve.pipeline import run_study, segmentation_of
+from medserve.writers.seg import write_seg
 from tests.conftest import APP, DEMO_BUNDLE, REPO, dciodvfy_errors, make_threshold_bundle, run_app
 
 
@@ -157,9 +158,12 @@ def test_stock_sdk_operators_read_our_selection(tmp_path):
 
 
 def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_path, threshold_bundle):
-    """The pipeline (the server's path; the app's operators call the same functions) on one multi-frame object."""
+    """The pipeline (the server's path; the app's operators call the same functions) on one multi-frame object
+    whose frames are stored out of volume order; then the SEG writer operator's other source, an SDK selection."""
     from medserve.demo.phantom import make_phantom
     from medserve.demo.study import write_ct_series
+    from operators.seg_writer import source_images
+    from operators.series_selector import as_sdk_selection
 
     written = write_ct_series(make_phantom(shape=(10, 32, 36)).hu, tmp_path / "single", file_order_seed=1)
     enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
@@ -177,6 +181,14 @@ def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_pa
     assert seg.ReferencedSeriesSequence[0].ReferencedInstanceSequence[0].ReferencedSOPInstanceUID == \
         enhanced.SOPInstanceUID
     back = seg.get_volume(combine_segments=True).match_geometry(source)
+    np.testing.assert_array_equal(back.array, label_map)
+    frame_z = [float(g.PlanePositionSequence[0].ImagePositionPatient[2])
+               for g in enhanced.PerFrameFunctionalGroupsSequence]
+    assert frame_z != sorted(frame_z)  # the converter stores them descending; the volume ascends
+
+    sdk_source = source_images(as_sdk_selection(select_series(index_folder(tmp_path / "multi"))))
+    write_seg(segmentation_of(sdk_source, label_map, predictor), tmp_path / "sdk.dcm")
+    back = hd.seg.segread(tmp_path / "sdk.dcm").get_volume(combine_segments=True).match_geometry(source)
     np.testing.assert_array_equal(back.array, label_map)
 
 

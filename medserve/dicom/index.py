@@ -51,8 +51,7 @@ class Instance:
 
     @property
     def is_multiframe(self) -> bool:
-        """A multi-frame object: several frames, or an Enhanced object (functional groups) with any number."""
-        return self.number_of_frames > 1 or any(keyword in self.dataset for keyword in _FUNCTIONAL_GROUPS)
+        return is_multiframe_dataset(self.dataset)
 
 
 @dataclass
@@ -118,6 +117,11 @@ class StudyIndex:
         """A multi-line listing of the series found, for error messages."""
         lines = [f"  {series.summary()}" for series in self.all_series]
         return "\n".join(lines) if lines else "  (no DICOM series)"
+
+
+def is_multiframe_dataset(dataset: Dataset) -> bool:
+    """A multi-frame object: several frames, or an Enhanced object (functional groups) with any number."""
+    return int(dataset.get("NumberOfFrames", 1) or 1) > 1 or any(keyword in dataset for keyword in _FUNCTIONAL_GROUPS)
 
 
 def read_header(path: Path) -> Instance:

@@ -13,6 +13,7 @@ series is the first one found.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -263,6 +264,21 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
     for position, volume_index in enumerate(indices):
         order[volume_index] = position
     return order, float(spacing)
+
+
+def multiframe_geometry(dataset: pydicom.Dataset) -> hd.VolumeGeometry:
+    """Where the frames of a multi-frame (Enhanced) image lie as a volume, slices ascending along the normal as
+    `load_series` stacks them: a label map in that order becomes a Volume (`with_array`) that highdicom maps onto
+    the frames by position, whatever order they are stored in. VolumeError when they do not form a volume."""
+    name = getattr(dataset, "filename", None) or f"SOP instance {dataset.get('SOPInstanceUID', '?')}"
+    try:  # from_dataset without copying converts the object it is given: a shallow copy keeps the caller's as it is
+        geometry = hd.Image.from_dataset(copy.copy(dataset), copy=False).get_volume_geometry()
+    except Exception as error:  # highdicom raises assorted types on frame layouts it cannot place
+        raise VolumeError(f"{name}: multi-frame image does not form a regular volume ({error})") from error
+    if geometry is None:
+        raise VolumeError(f"{name}: multi-frame image does not form a regular volume (its frames' positions are "
+                          f"not a regular stack along one normal)")
+    return geometry.ensure_handedness(_ALONG_NORMAL, flip_axis=0)
 
 
 def _multiframe_volume(instance: Instance) -> hd.Volume:
