@@ -169,6 +169,29 @@ def test_seg_survives_headers_seen_in_the_wild(tmp_path, edit, expected):
     np.testing.assert_array_equal(volume.array, label_map)
 
 
+@pytest.mark.parametrize(("spacing", "expected"), [({"SpacingBetweenSlices": "3.5"}, 3.5), ({}, 1.0)],
+                         ids=["spacing-between-slices", "nothing-stated"])
+def test_a_single_image_without_slice_thickness_gets_the_spacing_its_volume_has(tmp_path, spacing, expected, caplog):
+    """One image, no SliceThickness: the volume takes SpacingBetweenSlices, else 1 mm (with a warning), and the SEG
+    states the same thickness, where highdicom would stop with an AttributeError after the inference had run."""
+    [path] = write_ct_series(make_phantom(shape=(1, 24, 24), seed=4).hu, tmp_path / "study").paths
+    dataset = pydicom.dcmread(path)
+    del dataset.SliceThickness
+    for keyword, value in spacing.items():
+        setattr(dataset, keyword, value)
+    dataset.save_as(path)
+    loaded = load_series(index_folder(tmp_path / "study").all_series[0])
+    assert np.linalg.norm(loaded.volume.affine[:3, 0]) == pytest.approx(expected)
+    label_map = np.zeros(loaded.volume.array.shape, dtype=np.uint16)
+    label_map[0, 4:12, 4:12] = 1
+    seg_path = write_seg(build_seg(label_map, loaded.source_datasets, {1: "spleen"}, Algorithm("a", "1")),
+                         tmp_path / "seg.dcm")
+    assert dciodvfy_errors(seg_path) == []
+    measures = pydicom.dcmread(seg_path).SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0]
+    assert float(measures.SliceThickness) == pytest.approx(expected)
+    assert any("taking 1 mm" in r.getMessage() for r in caplog.records) == (not spacing)
+
+
 @pytest.mark.parametrize("keyword", ["FrameOfReferenceUID", "SOPClassUID"])
 def test_seg_without_what_it_must_refer_to_is_refused_naming_the_file(tmp_path, keyword):
     loaded, label_map = _edited_study(tmp_path / "study", _set(**{keyword: None}))

@@ -230,8 +230,7 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
                  tolerance: SpacingTolerance) -> tuple[list[int], float]:
     """Indices of `instances` in volume order and the slice spacing, or VolumeError with the reason."""
     if len(instances) == 1:
-        thickness = instances[0].dataset.get("SpacingBetweenSlices") or instances[0].dataset.get("SliceThickness")
-        return [0], float(thickness or 1.0)
+        return [0], single_image_spacing(instances[0].dataset)
     normal = np.cross(orientation[:3], orientation[3:])
     distances = positions @ normal
     sorted_distances = np.sort(distances)
@@ -279,6 +278,25 @@ def multiframe_geometry(dataset: pydicom.Dataset) -> hd.VolumeGeometry:
         raise VolumeError(f"{name}: multi-frame image does not form a regular volume (its frames' positions are "
                           f"not a regular stack along one normal)")
     return geometry.ensure_handedness(_ALONG_NORMAL, flip_axis=0)
+
+
+def single_image_spacing(dataset: pydicom.Dataset) -> float:
+    """The slice spacing of a series of one image: SpacingBetweenSlices, else SliceThickness, else 1 mm (with a
+    warning: the NIfTI's affine and the SEG's slice thickness then say 1 mm, which nothing in the header states)."""
+    for keyword in ("SpacingBetweenSlices", "SliceThickness"):
+        values = _optional_decimals(dataset, keyword)
+        if values and values[0] > 0:
+            return values[0]
+    log.warning("%s: a single image without SpacingBetweenSlices or SliceThickness; taking 1 mm",
+                getattr(dataset, "filename", None) or "the source image")
+    return 1.0
+
+
+def _optional_decimals(dataset: pydicom.Dataset, keyword: str) -> tuple[float, ...] | None:
+    try:
+        return decimal_values(dataset, keyword)
+    except ValueError:
+        return None  # unreadable text counts as absent: the spacing has a fallback
 
 
 def _multiframe_volume(instance: Instance) -> hd.Volume:

@@ -28,6 +28,7 @@ from pydicom.uid import generate_uid
 from pydicom.valuerep import DA, TM
 
 import medserve
+from medserve.dicom.volume import single_image_spacing
 from medserve.errors import DicomInputError
 from medserve.writers.files import atomic_output
 from medserve.writers.labels import label_array
@@ -263,7 +264,8 @@ def _first_source(source: list[Dataset]) -> Dataset:
     - a SpecificCharacterSet highdicom refuses (empty, code extensions such as '\\ISO 2022 IR 87', the default
       'ISO_IR 6' spelled out) becomes ISO_IR 192: the values are decoded text by now, and UTF-8 holds them all;
     - an absent or empty SliceThickness (type 2 in CT and MR images) is taken as the spacing between the first
-      two images, as highdicom needs one for the SEG's pixel measures.
+      two images (of a single image: the spacing its volume was built with), as highdicom needs one for the SEG's
+      pixel measures.
     Frame of reference, SOP class and instance UIDs are type 1: without them no SEG can refer to the source
     (DicomInputError).
     """
@@ -284,7 +286,7 @@ def _first_source(source: list[Dataset]) -> Dataset:
     declared = dataset.get("SpecificCharacterSet")
     if declared is not None and not _highdicom_accepts_character_set(declared):
         changes["SpecificCharacterSet"] = "ISO_IR 192"
-    if dataset.get("SliceThickness") in (None, "") and (spacing := _spacing_of_first_two(source)) is not None:
+    if dataset.get("SliceThickness") in (None, "") and (spacing := _slice_spacing(source)) is not None:
         changes["SliceThickness"] = spacing
     if not changes:
         return dataset
@@ -326,11 +328,14 @@ def _highdicom_accepts_character_set(declared: object) -> bool:
     return True
 
 
-def _spacing_of_first_two(source: list[Dataset]) -> float | None:
+def _slice_spacing(source: list[Dataset]) -> float | None:
     """The distance between the first two single-frame images' positions (the source comes in slice order), in
-    mm; None for a single image or multi-frame ones."""
-    if len(source) < 2 or any("ImagePositionPatient" not in d or int(d.get("NumberOfFrames", 1) or 1) != 1
-                              for d in source[:2]):
+    mm; for a single image the spacing its volume was built with; None for multi-frame images."""
+    if any(int(d.get("NumberOfFrames", 1) or 1) != 1 for d in source[:2]):
+        return None
+    if len(source) == 1:
+        return single_image_spacing(source[0])
+    if any("ImagePositionPatient" not in d for d in source[:2]):
         return None
     step = np.asarray(source[1].ImagePositionPatient, float) - np.asarray(source[0].ImagePositionPatient, float)
     return round(float(np.linalg.norm(step)), 6)
