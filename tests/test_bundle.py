@@ -378,6 +378,24 @@ def test_a_template_style_yaml_config_with_referenced_transforms_runs(tmp_path, 
     assert dice(label_map, volume.array > THRESHOLD_HU) > 0.95  # no spacing: the threshold holds voxel by voxel
 
 
+def test_file_transforms_named_by_reference_in_the_list_are_removed_too(tmp_path, threshold_bundle):
+    """Items such as "@load_image" in a transforms list, defined elsewhere in the config: a LoadImaged left in
+    would fail on the in-memory volume, a SaveImaged left in would write into its output_dir (inside the bundle, in
+    a MAP a read-only folder)."""
+    bundle = tmp_path / "referenced"
+    shutil.copytree(threshold_bundle, bundle)
+    config = json.loads((bundle / "configs" / "inference.json").read_text())
+    preprocessing, postprocessing = config["preprocessing"]["transforms"], config["postprocessing"]["transforms"]
+    config["load_image"], preprocessing[0] = preprocessing[0], "@load_image"
+    config["save_image"] = {**postprocessing[-1], "output_dir": str(tmp_path / "saved")}
+    config["saving"], postprocessing[-1] = "$@save_image", "@saving"  # a reference to a reference
+    (bundle / "configs" / "inference.json").write_text(json.dumps(config))
+    volume, _ = phantom_volume(bone=False)
+    label_map = BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
+    assert dice(label_map, volume.array > THRESHOLD_HU) > 0.93
+    assert not (tmp_path / "saved").exists()
+
+
 _BUNDLE_NETWORK = """
 import torch
 

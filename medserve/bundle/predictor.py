@@ -575,14 +575,21 @@ def _section_transforms(parser: ConfigParser, section: str) -> list[Any] | None:
     """The `transforms` list of the Compose `section`, also when it refers to a list defined elsewhere in the config
     (the zoo's segmentation_template: `transforms: $@transforms`); None when there is no such list."""
     transforms = parser[section].get("transforms") if isinstance(parser[section], dict) else None
+    transforms = _dereferenced(parser, transforms)
+    return transforms if isinstance(transforms, list) else None
+
+
+def _dereferenced(parser: ConfigParser, value: Any) -> Any:
+    """`value`, or when it is nothing but a reference ("@id", "$@id") the config entry it names, followed through
+    chains of references; None for a reference to nothing, or a cycle."""
     followed: set[str] = set()
-    while isinstance(transforms, str) and (reference := _REFERENCE.match(transforms.strip())):
+    while isinstance(value, str) and (reference := _REFERENCE.match(value.strip())):
         target = reference.group(1)
         if target in followed or target not in parser:
             return None
         followed.add(target)
-        transforms = parser[target]
-    return transforms if isinstance(transforms, list) else None
+        value = parser[target]
+    return value
 
 
 def _transform_list(parser: ConfigParser, section: str, layout: BundleLayout) -> list[Any]:
@@ -599,12 +606,16 @@ def _target_name(transform: Any) -> str:
 
 
 def _drop_transforms(parser: ConfigParser, section: str, prefixes: tuple[str, ...], layout: BundleLayout) -> None:
-    kept = [t for t in _transform_list(parser, section, layout) if not _target_name(t).startswith(prefixes)]
+    """Remove the transforms whose class name starts with one of `prefixes`, written in the list or named there by
+    reference ("@load_image", defined elsewhere in the config)."""
+    kept = [t for t in _transform_list(parser, section, layout)
+            if not _target_name(_dereferenced(parser, t)).startswith(prefixes)]
     parser[f"{section}#transforms"] = kept
 
 
 def _uses_transform(parser: ConfigParser, section: str, prefixes: tuple[str, ...]) -> bool:
-    return any(_target_name(t).startswith(prefixes) for t in _section_transforms(parser, section) or [])
+    return any(_target_name(_dereferenced(parser, t)).startswith(prefixes)
+               for t in _section_transforms(parser, section) or [])
 
 
 def network_from_config(config_path: Path) -> torch.nn.Module:
