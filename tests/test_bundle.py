@@ -493,6 +493,26 @@ def test_missing_metadata_is_refused(tmp_path, threshold_bundle):
         BundlePredictor.from_dir(bundle)
 
 
+@pytest.mark.parametrize(("data_format", "field", "found"), [
+    (None, "network_data_format", "null"),
+    ({"inputs": [1]}, "network_data_format.inputs", "a JSON array"),
+    ({"outputs": {"pred": None}}, "network_data_format.outputs.pred", "null"),
+    ({"outputs": {"pred": {"channel_def": "liver"}}}, "network_data_format.outputs.pred.channel_def",
+     "a JSON string"),
+])
+def test_metadata_whose_data_format_is_not_made_of_objects_is_refused_naming_the_field(
+        tmp_path, threshold_bundle, data_format, field, found):
+    bundle = tmp_path / "badmeta"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata_path = bundle / "configs" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["network_data_format"] = data_format
+    metadata_path.write_text(json.dumps(metadata))
+    with pytest.raises(BundleError, match=rf"^{re.escape(str(metadata_path))}: {re.escape(field)} is {found}; "
+                                          r"expected a JSON object$"):
+        BundlePredictor.from_dir(bundle, device="cpu")
+
+
 # ---- device: refused when the predictor is created, naming what was asked for and what exists ----------------
 
 @pytest.mark.parametrize("device", ["foo", "cuda:x", "", "CPU"])

@@ -83,6 +83,7 @@ class BundleLayout:
             raise BundleError(f"{metadata_path}: not valid JSON ({error})") from error
         if not isinstance(metadata, dict):
             raise BundleError(f"{metadata_path}: expected a JSON object")
+        _check_data_format(metadata, metadata_path)
         config_path = next((root / "configs" / n for n in INFERENCE_CONFIG_NAMES
                             if (root / "configs" / n).is_file()), None)
         if config_path is None:
@@ -93,6 +94,32 @@ class BundleLayout:
             raise BundleError(f"bundle {root}: no weights; expected models/model.pt or models/model.ts")
         return cls(root=root, metadata_path=metadata_path, config_path=config_path, weights_path=weights_path,
                    metadata=metadata)
+
+
+def _check_data_format(metadata: dict[str, Any], path: Path) -> None:
+    """BundleError naming the field when a part of network_data_format that medserve reads is not the JSON object
+    the bundle format makes it: the format itself, its inputs and outputs, each of their entries, a channel_def."""
+    if "network_data_format" not in metadata:
+        return
+    data_format = _object(metadata["network_data_format"], path, "network_data_format")
+    for section in ("inputs", "outputs"):
+        if section not in data_format:
+            continue
+        field = f"network_data_format.{section}"
+        for key, entry in _object(data_format[section], path, field).items():
+            entry = _object(entry, path, f"{field}.{key}")
+            if "channel_def" in entry:
+                _object(entry["channel_def"], path, f"{field}.{key}.channel_def")
+
+
+def _object(value: Any, path: Path, field: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        found = "null" if value is None else f"a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}"
+        raise BundleError(f"{path}: {field} is {found}; expected a JSON object")
+    return value
+
+
+_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
 def _names_background(name: Any) -> bool:
