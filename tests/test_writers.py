@@ -192,6 +192,22 @@ def test_a_single_image_without_slice_thickness_gets_the_spacing_its_volume_has(
     assert any("taking 1 mm" in r.getMessage() for r in caplog.records) == (not spacing)
 
 
+@pytest.mark.filterwarnings("ignore:Invalid value for VR")
+def test_source_datasets_built_in_memory_without_file_meta_are_mended_too(tmp_path):
+    """Datasets a caller assembled in memory (no file meta) whose first needs mending: the mended copy has no file
+    meta to carry over either."""
+    loaded, label_map = _edited_study(tmp_path / "study", _set(PatientSex="U"))
+    in_memory = []
+    for source in loaded.source_datasets:
+        dataset = pydicom.Dataset()
+        for element in source:
+            dataset.add(element)
+        in_memory.append(dataset)
+    seg = build_seg(label_map, in_memory, {1: "spleen", 2: "liver"}, Algorithm("a", "1"))
+    assert not seg.PatientSex  # "U" is not a DICOM value: written empty
+    assert dciodvfy_errors(write_seg(seg, tmp_path / "seg.dcm")) == []
+
+
 @pytest.mark.parametrize("keyword", ["FrameOfReferenceUID", "SOPClassUID"])
 def test_seg_without_what_it_must_refer_to_is_refused_naming_the_file(tmp_path, keyword):
     loaded, label_map = _edited_study(tmp_path / "study", _set(**{keyword: None}))

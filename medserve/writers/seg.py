@@ -293,7 +293,8 @@ def _first_source(source: list[Dataset]) -> Dataset:
     patched = Dataset()
     for element in dataset:  # iterating decodes each value with the source's own character set
         patched.add(element)
-    patched.file_meta = dataset.file_meta
+    if (file_meta := getattr(dataset, "file_meta", None)) is not None:  # datasets built in memory may have none
+        patched.file_meta = file_meta
     for keyword, value in changes.items():
         if keyword in patched:  # the copy shares the element objects: replace them, never set their values
             del patched[keyword]
