@@ -105,6 +105,23 @@ def test_binary_files_that_start_like_a_dataset_are_skipped_not_refused(tmp_path
     assert len(index.all_series[0].instances) == 4
 
 
+def test_one_series_uid_in_two_studies_is_two_series(tmp_path):
+    """An archive (or an anonymiser) that reuses a series UID in another study: each study keeps its own series,
+    never one volume of both patients."""
+    hu = np.zeros((4, 8, 8), dtype=np.float32)
+    first = write_ct_series(hu, tmp_path / "a")
+    second = write_ct_series(hu, tmp_path / "b")
+    for path in second.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.SeriesInstanceUID = first.series_uid
+        dataset.save_as(path)
+    index = index_folder(tmp_path)
+    assert [(study.study_uid, [(s.series_uid, len(s.instances)) for s in study.series]) for study in index.studies] \
+        == [(first.study_uid, [(first.series_uid, 4)]), (second.study_uid, [(first.series_uid, 4)])]
+    for study in index.studies:
+        assert {instance.dataset.StudyInstanceUID for instance in study.series[0].instances} == {study.study_uid}
+
+
 def test_empty_folder_is_refused(tmp_path):
     with pytest.raises(DicomInputError, match="is empty"):
         index_folder(tmp_path)

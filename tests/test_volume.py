@@ -225,6 +225,28 @@ def test_duplicated_slice_is_refused_naming_the_files(tmp_path, phantom):
         volume_of(tmp_path)
 
 
+def test_two_slices_with_one_sop_instance_uid_are_refused_naming_both(tmp_path, phantom):
+    """A SEG frame refers to its source image by this UID: two positions under one UID make the SEG ambiguous."""
+    written = _write(tmp_path, phantom)
+    first, other = pydicom.dcmread(written.paths[0]), pydicom.dcmread(written.paths[5])
+    other.SOPInstanceUID = other.file_meta.MediaStorageSOPInstanceUID = first.SOPInstanceUID
+    other.save_as(written.paths[5])
+    names = sorted([written.paths[0].name, written.paths[5].name])
+    with pytest.raises(VolumeError, match=rf"SOPInstanceUID {first.SOPInstanceUID} is also that of .*"
+                                          rf"({names[0]}|{names[1]}), at another position"):
+        volume_of(tmp_path)
+
+
+def test_slices_in_two_frames_of_reference_are_refused(tmp_path, phantom):
+    written = _write(tmp_path, phantom)
+    dataset = pydicom.dcmread(written.paths[2])
+    dataset.FrameOfReferenceUID = pydicom.uid.generate_uid()
+    dataset.save_as(written.paths[2])
+    with pytest.raises(VolumeError, match=rf"{written.paths[2].name}: FrameOfReferenceUID .* differs from .* slices "
+                                          r"of one series must share one frame of reference"):
+        volume_of(tmp_path)
+
+
 def test_irregular_spacing_is_refused(tmp_path, phantom):
     written = _write(tmp_path, phantom)
     for k, path in enumerate(written.paths):

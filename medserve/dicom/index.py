@@ -190,7 +190,8 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         raise DicomInputError(f"input folder {root} is empty: expected DICOM files")
 
     studies: dict[str, Study] = {}
-    series_by_uid: dict[str, Series] = {}
+    # A series belongs to one study: an archive that reuses a series UID in another study holds two series.
+    series_by_uid: dict[tuple[str, str], Series] = {}
     skipped: list[tuple[Path, str]] = []
     prepared: Series | None = None
     for path in paths:
@@ -212,9 +213,9 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         if not uid_value(dataset, "SOPInstanceUID"):
             # Every result references its source images by this UID (a SEG cannot be written without it).
             raise DicomInputError(f"{path}: SOPInstanceUID is missing; every DICOM image must have one")
-        series = series_by_uid.get(series_uid)
+        series = series_by_uid.get((study_uid, series_uid))
         if series is None:
-            series = series_by_uid[series_uid] = Series(study_uid=study_uid, series_uid=series_uid)
+            series = series_by_uid[study_uid, series_uid] = Series(study_uid=study_uid, series_uid=series_uid)
             studies.setdefault(study_uid, Study(study_uid=study_uid)).series.append(series)
         series.instances.append(instance)
         if prepared is None:

@@ -26,7 +26,7 @@ import pydicom
 from medserve.dicom.index import Instance, Series
 from medserve.dicom.memory import volume_array
 from medserve.dicom.pixels import read_slices
-from medserve.dicom.values import decimal_values, stored_bytes
+from medserve.dicom.values import decimal_values, stored_bytes, uid_value
 from medserve.errors import VolumeError
 
 log = logging.getLogger("medserve.dicom.volume")
@@ -143,7 +143,26 @@ def _checked_volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[
                           f"multi-frame (Enhanced) object or single-frame slices")
     positions, orientation = _check_geometry_attributes(series.instances)
     order, spacing = _slice_order(series.instances, positions, orientation, tolerance)
+    _check_distinct_images(series.instances)
     return [series.instances[i] for i in order], spacing
+
+
+def _check_distinct_images(instances: list[Instance]) -> None:
+    """Refuse slices that share a SOPInstanceUID (what a SEG frame refers to its source image by) or lie in
+    different frames of reference (their positions are then not comparable)."""
+    by_uid: dict[str, Instance] = {}
+    reference_uid, reference = uid_value(instances[0].dataset, "FrameOfReferenceUID"), instances[0]
+    for instance in instances:
+        uid = uid_value(instance.dataset, "SOPInstanceUID")
+        if uid in by_uid:
+            raise VolumeError(f"{instance.path}: SOPInstanceUID {uid} is also that of {by_uid[uid].path}, at another "
+                              f"position; expected each slice of a series to be its own image with its own UID")
+        by_uid[uid] = instance
+        frame_of_reference = uid_value(instance.dataset, "FrameOfReferenceUID")
+        if frame_of_reference != reference_uid:
+            raise VolumeError(f"{instance.path}: FrameOfReferenceUID {frame_of_reference or '(none)'} differs from "
+                              f"{reference_uid or '(none)'} of {reference.path}: slices of one series must share one "
+                              f"frame of reference")
 
 
 def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, np.ndarray]:
