@@ -12,6 +12,7 @@ import pydicom
 import pytest
 from pydicom.data import get_testdata_file
 from pydicom.encaps import encapsulate, generate_frames
+from pydicom.pixels import apply_modality_lut
 from pydicom.filebase import DicomFileLike
 from pydicom.filewriter import write_dataset, write_file_meta_info
 from pydicom.uid import (DeflatedExplicitVRLittleEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
@@ -338,6 +339,28 @@ def test_each_slice_keeps_its_own_rescale(tmp_path, phantom):
     expected[3] = reference[3] - intercept
     expected[4] = reference[4] + 100
     np.testing.assert_allclose(series_to_volume(series).array, expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("syntax", [ExplicitVRLittleEndian, RLELossless])
+def test_a_modality_lut_sequence_gives_modality_units_as_pydicom_applies_it(tmp_path, phantom, syntax):
+    """A modality transform given as a LUT rather than slope/intercept: the volume holds what pydicom's
+    apply_modality_lut (the stock operator's rescale) makes of each slice, not the stored values."""
+    _write(tmp_path, phantom)
+    paths = _paths_in_slice_order(tmp_path)
+    expected = []
+    for k, path in enumerate(paths):
+        dataset = pydicom.dcmread(path)
+        del dataset.RescaleSlope, dataset.RescaleIntercept
+        lut = pydicom.Dataset()
+        lut.LUTDescriptor, lut.ModalityLUTType = [4096, 0, 16], "HU"
+        lut.LUTData = (np.arange(4096) * 2 + 10 + k).astype("<u2").tobytes()  # each slice its own LUT
+        lut["LUTData"].VR = "OW"
+        dataset.ModalityLUTSequence = [lut]
+        if syntax == RLELossless:
+            dataset.compress(RLELossless, encoding_plugin="pydicom")
+        dataset.save_as(path)
+        expected.append(apply_modality_lut(dataset.pixel_array, dataset))
+    np.testing.assert_array_equal(volume_of(tmp_path).array, np.stack(expected).astype(np.float32))
 
 
 def test_missing_geometry_attribute_is_refused(tmp_path, phantom):

@@ -2,8 +2,8 @@
 
 Uncompressed little-endian pixel data is read straight from the file at the offset the index recorded (no
 per-file dataset copy) and so is RLE Lossless, decoded by imagecodecs (its decoder releases the GIL, so threads
-decode in parallel; pylibjpeg-rle's holds it); other compressed transfer syntaxes are decoded by pydicom's
-plugins. How stored values become modality units (`PixelFormat`) is parsed from the header once per distinct set
+decode in parallel; pylibjpeg-rle's holds it); other compressed transfer syntaxes, and slices whose modality
+transform is a Modality LUT Sequence rather than a rescale, are read by pydicom. How stored values become modality units (`PixelFormat`) is parsed from the header once per distinct set
 of stored attribute bytes: a series has one or a few, and pydicom's attribute access costs more than reading a
 slice.
 """
@@ -20,6 +20,7 @@ import imagecodecs
 import numpy as np
 import pydicom
 from pydicom.encaps import generate_frames
+from pydicom.pixels import apply_modality_lut
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
 
 from medserve.dicom.index import Instance, read_dataset
@@ -98,7 +99,9 @@ def read_slices(instances: Sequence[Instance], array: np.ndarray) -> None:
 def read_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> None:
     """The instance's one frame into `out` (rows x columns, float32), rescaled; VolumeError naming the file."""
     syntax = transfer_syntax(instance)
-    if syntax in _NATIVE_LITTLE_ENDIAN:
+    if "ModalityLUTSequence" in instance.dataset:
+        _decode_slice(instance, out)
+    elif syntax in _NATIVE_LITTLE_ENDIAN:
         _read_native_slice(instance, pixel_format, out)
     elif syntax == RLELossless:
         _decode_rle_slice(instance, pixel_format, out)
@@ -172,7 +175,8 @@ def _decode_rle_slice(instance: Instance, pixel_format: PixelFormat, out: np.nda
 
 
 def _decode_slice(instance: Instance, out: np.ndarray) -> None:
-    """Other transfer syntaxes: pydicom's decoders, which apply BitsStored themselves."""
+    """Other transfer syntaxes, and slices whose modality transform is a Modality LUT Sequence: pydicom's
+    decoders, which apply BitsStored themselves, and its modality LUT."""
     try:
         dataset = read_dataset(instance)
         pixels = dataset.pixel_array
@@ -181,6 +185,12 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
                           f"({_transfer_syntax_name(instance)}): {error}") from error
     if pixels.shape != out.shape:
         raise VolumeError(f"{instance.path}: decoded frame has shape {pixels.shape}; expected {out.shape}")
+    if "ModalityLUTSequence" in dataset:
+        try:
+            np.copyto(out, apply_modality_lut(pixels, dataset), casting="unsafe")
+        except Exception as error:  # a malformed LUT descriptor or data
+            raise VolumeError(f"{instance.path}: ModalityLUTSequence cannot be applied ({error})") from error
+        return
     _rescale_into(PixelFormat(pixels.dtype, 0, *_rescale(dataset)), pixels, out)
 
 
