@@ -190,6 +190,47 @@ def test_enhanced_multiframe_image_gives_the_same_volume(tmp_path, phantom, moda
     np.testing.assert_allclose(volume.affine, reference.affine, atol=1e-4)
 
 
+def _real_world_value_mapping() -> pydicom.Dataset:
+    mapping = pydicom.Dataset()
+    mapping.RealWorldValueFirstValueMapped, mapping.RealWorldValueLastValueMapped = 0, 65535
+    mapping.RealWorldValueSlope, mapping.RealWorldValueIntercept = 0.001, 0
+    mapping.LUTExplanation = mapping.LUTLabel = "arbitrary units"
+    units = pydicom.Dataset()
+    units.CodeValue, units.CodingSchemeDesignator, units.CodeMeaning = "1", "UCUM", "no units"
+    mapping.MeasurementUnitsCodeSequence = [units]
+    return mapping
+
+
+def test_an_enhanced_image_gives_modality_units_not_its_real_world_values(tmp_path, phantom):
+    """A Real World Value Mapping (Enhanced MR carries them routinely) is not the modality transform: the volume
+    is in modality units, as a single-frame series' is."""
+    write_ct_series(phantom.hu, tmp_path / "single")
+    datasets = [pydicom.dcmread(p) for p in sorted((tmp_path / "single").iterdir())]
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=datasets, series_instance_uid=pydicom.uid.generate_uid(), series_number=3,
+        sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    enhanced.SharedFunctionalGroupsSequence[0].RealWorldValueMappingSequence = [_real_world_value_mapping()]
+    (tmp_path / "multi").mkdir()
+    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    reference = volume_of(tmp_path / "single")
+    volume = volume_of(tmp_path / "multi")
+    np.testing.assert_allclose(volume.match_geometry(reference).array, reference.array, atol=0.5)
+
+
+def test_an_enhanced_image_written_without_the_preamble_is_read(tmp_path, phantom):
+    write_ct_series(phantom.hu, tmp_path / "single")
+    datasets = [pydicom.dcmread(p) for p in sorted((tmp_path / "single").iterdir())]
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=datasets, series_instance_uid=pydicom.uid.generate_uid(), series_number=3,
+        sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    enhanced.save_as(tmp_path / "with_preamble.dcm")
+    (tmp_path / "multi").mkdir()
+    (tmp_path / "multi" / "enhanced.dcm").write_bytes((tmp_path / "with_preamble.dcm").read_bytes()[132:])
+    reference = volume_of(tmp_path / "single")
+    np.testing.assert_allclose(volume_of(tmp_path / "multi").match_geometry(reference).array, reference.array,
+                               atol=0.5)
+
+
 def test_a_series_of_several_multiframe_objects_is_refused_with_the_reason(tmp_path, phantom):
     single = tmp_path / "single"
     write_ct_series(phantom.hu, single)

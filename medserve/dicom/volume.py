@@ -23,7 +23,7 @@ import highdicom as hd
 import numpy as np
 import pydicom
 
-from medserve.dicom.index import Instance, Series
+from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
 from medserve.dicom.pixels import read_slices
 from medserve.dicom.values import decimal_values, stored_bytes, uid_value
@@ -319,10 +319,16 @@ def _optional_decimals(dataset: pydicom.Dataset, keyword: str) -> tuple[float, .
 
 
 def _multiframe_volume(instance: Instance) -> hd.Volume:
-    """Enhanced CT/MR: highdicom reads per-frame functional groups and applies the modality transform."""
+    """Enhanced CT/MR: highdicom reads per-frame functional groups and applies the modality transform only, as
+    for single-frame slices: not a Real World Value Mapping (which Enhanced MR often carries, in other units than
+    the modality's) and not the presentation LUT."""
     try:
-        image = hd.imread(instance.path)
-        volume = image.get_volume(dtype=np.float32)
+        dataset = read_dataset(instance)  # also a file written without the preamble
+    except Exception as error:  # pydicom raises assorted types on damaged files
+        raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
+    try:
+        image = hd.Image.from_dataset(dataset, copy=False)
+        volume = image.get_volume(dtype=np.float32, apply_real_world_transform=False, apply_presentation_lut=False)
     except Exception as error:  # highdicom raises ValueError/RuntimeError for non-volume frame layouts
         raise VolumeError(f"{instance.path}: multi-frame image does not form a regular volume ({error})") from error
     if volume.array.ndim != 3:
