@@ -122,6 +122,27 @@ def test_one_series_uid_in_two_studies_is_two_series(tmp_path):
         assert {instance.dataset.StudyInstanceUID for instance in study.series[0].instances} == {study.study_uid}
 
 
+@pytest.mark.parametrize(("keyword", "vr", "stored", "shown"), [
+    ("NumberOfFrames", "IS", b"abc ", "'abc'"), ("SamplesPerPixel", "US", b"\x01\x00\x00\x00", "[1, 0]")])
+def test_an_integer_attribute_that_is_no_whole_number_is_refused_naming_file_and_attribute(tmp_path, keyword, vr,
+                                                                                          stored, shown):
+    from pydicom.dataelem import RawDataElement
+    from pydicom.tag import Tag
+
+    from medserve.dicom.volume import load_series
+
+    written = write_ct_series(np.zeros((3, 8, 8), dtype=np.float32), tmp_path)
+    for path in written.paths:  # the stored bytes as a damaged file holds them
+        dataset = pydicom.dcmread(path)
+        tag = Tag(pydicom.datadict.tag_for_keyword(keyword))
+        dataset._dict[tag] = RawDataElement(tag, vr, len(stored), stored, 0, False, True)
+        dataset.save_as(path)
+    first = sorted(written.paths)[0]
+    with pytest.raises(DicomInputError, match=rf"^{re.escape(str(first))}: {keyword} {re.escape(shown)} is not a "
+                                              r"whole number; expected one integer value$"):
+        load_series(select_series(index_folder(tmp_path))[0].series)
+
+
 def test_empty_folder_is_refused(tmp_path):
     with pytest.raises(DicomInputError, match="is empty"):
         index_folder(tmp_path)

@@ -18,6 +18,8 @@ import weakref
 import numpy as np
 from pydicom.dataset import Dataset
 
+from medserve.dicom.values import integer_value
+
 log = logging.getLogger("medserve.dicom.memory")
 
 _ITEM_BYTES = np.dtype(np.float32).itemsize
@@ -95,11 +97,11 @@ class VolumeMemory:
     @classmethod
     def for_header(cls, dataset: Dataset, capacity: int) -> VolumeMemory | None:
         """Memory for a series whose first header is `dataset`, or None when it is not a stack of single frames."""
-        rows, columns = dataset.get("Rows"), dataset.get("Columns")
-        if not rows or not columns or int(dataset.get("NumberOfFrames", 1) or 1) != 1:
+        rows, columns = integer_value(dataset, "Rows"), integer_value(dataset, "Columns")
+        if not rows or not columns or (integer_value(dataset, "NumberOfFrames", 1) or 1) != 1:
             return None
         try:
-            return cls((int(rows), int(columns)), capacity)
+            return cls((rows, columns), capacity)
         except (OSError, ValueError):  # address space refused (a huge folder): the volume allocates later
             log.info("no volume memory prepared", extra={"slices": capacity, "rows": rows, "columns": columns})
             return None

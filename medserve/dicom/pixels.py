@@ -24,7 +24,7 @@ from pydicom.pixels import apply_modality_lut
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
 
 from medserve.dicom.index import Instance, read_dataset
-from medserve.dicom.values import decimal_values, stored_bytes, uid_value
+from medserve.dicom.values import decimal_values, integer_value, stored_bytes, uid_value
 from medserve.errors import VolumeError
 
 # Read from the stored offset. Deflated Explicit VR (1.2.840.10008.1.2.1.99) is not here: its Pixel Data is
@@ -114,14 +114,14 @@ def _pixel_format(instance: Instance) -> PixelFormat:
     for keyword in ("BitsAllocated", "PixelRepresentation"):
         if dataset.get(keyword) is None:
             raise VolumeError(f"{instance.path}: {keyword} is missing; the pixels cannot be read without it")
-    bits = int(dataset.BitsAllocated)
+    bits = integer_value(dataset, "BitsAllocated")
     if bits not in (8, 16, 32):
         raise VolumeError(f"{instance.path}: BitsAllocated {bits} is not supported; expected 8, 16 or 32")
-    stored = int(dataset.get("BitsStored") or bits)
+    stored = integer_value(dataset, "BitsStored") or bits
     if not 0 < stored <= bits:
         raise VolumeError(f"{instance.path}: BitsStored {stored} does not fit BitsAllocated {bits}; expected 1 to "
                           f"{bits}")
-    kind = "i" if int(dataset.PixelRepresentation) == 1 else "u"
+    kind = "i" if integer_value(dataset, "PixelRepresentation") == 1 else "u"
     return PixelFormat(np.dtype(f"<{kind}{bits // 8}"), bits - stored, *_rescale(dataset))
 
 

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pydicom.dataelem import RawDataElement
 from pydicom.dataset import Dataset
 
+from medserve.errors import DicomInputError
+
 _PADDING = b"\x00 "
 
 
@@ -49,6 +51,21 @@ def decimal_values(dataset: Dataset, keyword: str) -> tuple[float, ...] | None:
         return tuple(float(part) for part in parts)
     except (TypeError, ValueError):
         raise ValueError(f"{keyword} {parts!r} is not a list of decimal numbers") from None
+
+
+def integer_value(dataset: Dataset, keyword: str, default: int | None = None) -> int | None:
+    """An IS/US attribute's one value as an int, `default` when it is absent or empty; DicomInputError naming the
+    file and the attribute when it is not one whole number (pydicom leaves such values as text or a list)."""
+    value = dataset.get(keyword)
+    if value is None or value == "":
+        return default
+    try:
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            return int(value)
+    except (TypeError, ValueError):
+        pass
+    name = getattr(dataset, "filename", None) or "a DICOM header"
+    raise DicomInputError(f"{name}: {keyword} {value!r} is not a whole number; expected one integer value")
 
 
 def stored_bytes(dataset: Dataset, keyword: str) -> bytes | None:

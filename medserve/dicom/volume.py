@@ -26,7 +26,7 @@ import pydicom
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
 from medserve.dicom.pixels import read_slices
-from medserve.dicom.values import decimal_values, stored_bytes, uid_value
+from medserve.dicom.values import decimal_values, integer_value, stored_bytes, uid_value
 from medserve.errors import VolumeError
 
 log = logging.getLogger("medserve.dicom.volume")
@@ -201,14 +201,14 @@ def _check_slice_size(instance: Instance, shape: tuple[int, int], first: Instanc
     """Refuse a slice without Rows/Columns, of another size than the first slice's, or not greyscale."""
     dataset = instance.dataset
     for keyword in ("Rows", "Columns"):
-        size = dataset.get(keyword)
+        size = integer_value(dataset, keyword)
         if size is None:
             raise VolumeError(f"{instance.path}: {keyword} is missing; a volume needs the geometry of every slice")
-        if int(size) <= 0:
+        if size <= 0:
             raise VolumeError(f"{instance.path}: {keyword} is {size}; expected at least 1")
-    samples = dataset.get("SamplesPerPixel", 1)
-    if samples in (None, "") or int(samples) != 1:
-        raise VolumeError(f"{instance.path}: SamplesPerPixel is {'empty' if samples in (None, '') else samples}; "
+    samples = integer_value(dataset, "SamplesPerPixel") if "SamplesPerPixel" in dataset else 1
+    if samples != 1:
+        raise VolumeError(f"{instance.path}: SamplesPerPixel is {'empty' if samples is None else samples}; "
                           "expected 1 (greyscale CT/MR)")
     if (dataset.Rows, dataset.Columns) != shape:
         raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
