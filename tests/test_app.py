@@ -467,6 +467,13 @@ def test_reruns_into_an_output_folder_inside_the_input(tmp_path):
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
     unknown = run_app("-i", study, "-o", out, "-m", bundle, "-l", "verbose")
     assert unknown.returncode == 2 and "invalid choice: 'VERBOSE'" in unknown.stderr, unknown.stderr
+    # -o the same folder as -i after a run killed outright (SIGKILL) while writing: its partial SEG, a cut DICOM
+    # file, would be read as input and refused as corrupt by every later run.
+    (study / ".seg.dcm.partial.dcm").write_bytes(b"\0" * 128 + b"DICM" + b"\x02\x00\x00\x00UL\x04")
+    shutil.rmtree(out)
+    in_place = run_app("-i", study, "-o", study, "-m", bundle, "--no-nifti")
+    assert in_place.returncode == 0, in_place.stderr
+    assert not (study / ".seg.dcm.partial.dcm").exists() and (study / "seg.dcm").is_file()
     # A run that fails (no MR series here) removes its results and every folder it created for them.
     rules = json.dumps({"selections": [{"name": "mr", "conditions": {"Modality": "MR"}}]})
     failed = run_app("-i", study, "-o", tmp_path / "a" / "b" / "c", "-m", bundle, "--rules", rules)

@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         tempfile.TemporaryFile(dir=output).close()  # writable by us, whatever the permission bits say
         for name in (SEG_NAME, NIFTI_NAME):  # an earlier run's results must not pass for this run's
             (output / name).unlink(missing_ok=True)
+            # A run killed outright (SIGKILL, out of memory) leaves its partial file; inside the input folder it
+            # would be read as a corrupt DICOM file by every later run.
+            partial_path(output / name).unlink(missing_ok=True)
     except OSError as error:
         print(f"error: output folder {output}: cannot be {'written to' if output.is_dir() else 'created'} "
               f"({error.strerror or error}); expected a folder we can write to", file=sys.stderr)
