@@ -37,6 +37,10 @@ class PackagingError(MedserveError):
     """A MAP cannot be built, pushed, inspected or run (bad app dir, app.yaml, models, registry, engine)."""
 
 
+class ConfigurationError(MedserveError):
+    """The server's own configuration (tokens file, MEDSERVE_TOKENS, options) is unusable."""
+
+
 class OutputError(MedserveError):
     """A result file cannot be written (folder not writable, disk full); nothing partial is left under its name."""
 

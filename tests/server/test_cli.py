@@ -80,6 +80,24 @@ def test_serve_refuses_limits_that_cannot_be_meant(tmp_path: Path, flag: str, va
     assert proc.returncode == 2 and expected in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize(("tokens_text", "env_tokens", "expected"), [
+    (None, "", "tokens file {tokens}: cannot be read (No such file or directory)"),
+    ("only-a-token\n", "", "{tokens}:1: expected 'TOKEN SCOPE[,SCOPE]'"),
+    ("", "tok:superuser", "MEDSERVE_TOKENS: scopes must be among ('infer', 'admin'), got 'superuser'"),
+    ("", ":admin", "MEDSERVE_TOKENS: an entry has an empty token (':admin'); expected 'TOKEN:SCOPE[,SCOPE]' "
+                   "entries separated by ';'"),
+])
+def test_serve_refuses_unusable_tokens_with_one_error_line(tmp_path: Path, tokens_text, env_tokens, expected) -> None:
+    """An empty token (`$UNSET:admin`) would grant admin to a blank bearer token: refused like the others."""
+    tokens = tmp_path / "tokens"
+    if tokens_text is not None:
+        tokens.write_text(tokens_text)
+    proc = _cli("serve", "--store", str(tmp_path), "--data-dir", str(tmp_path / "d"), "--tokens", str(tokens),
+                env={**os.environ, "MEDSERVE_TOKENS": env_tokens})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"error: {expected.format(tokens=tokens)}", proc.stderr
+
+
 def test_tokens_and_scopes(make_server, tmp_path: Path) -> None:
     import httpx
 
@@ -93,6 +111,7 @@ def test_tokens_and_scopes(make_server, tmp_path: Path) -> None:
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer admin-token"}).status_code == 200
     assert httpx.get(url + "/v1/jobs", headers={"Authorization": "Bearer user-token"}).status_code == 200
     assert httpx.get(url + "/v1/jobs", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(url + "/v1/jobs", headers={"Authorization": "Bearer \u00a0".encode("latin-1")}).status_code == 401
     r = httpx.post(url + "/v1/uploads", headers={"Tus-Resumable": "1.0.0", "Upload-Length": "1"})
     assert r.status_code == 401 and r.json()["error"] == "unauthorized"
     # Under /v2 errors take the Open Inference Protocol's shape, auth and routing errors included.

@@ -17,6 +17,7 @@ import httpx
 import pydicom
 import pytest
 
+from medserve.errors import ConfigurationError
 from medserve.server.app import create_app
 from medserve.server.lock import DataDirInUse, lock_data_dir
 from tests.conftest import make_threshold_bundle
@@ -533,7 +534,7 @@ def _free_within(data_dir: Path, timeout: float) -> None:
 def test_a_server_that_fails_to_start_leaves_the_data_dir_free(make_server, base_config, tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("only-a-token\n")
-    with pytest.raises(ValueError, match="expected 'TOKEN SCOPE"):
+    with pytest.raises(ConfigurationError, match="expected 'TOKEN SCOPE"):
         create_app(replace(base_config, tokens_file=tokens))
     _free_within(base_config.data_dir, 0)
     store_file = tmp_path / "not-a-folder"
