@@ -70,7 +70,7 @@ def sniff(path: Path) -> str:
         try:
             with gzip.open(path, "rb") as handle:
                 inner = handle.read(348)
-        except (OSError, EOFError):
+        except (OSError, EOFError, zlib.error):  # gzip's magic, then no valid deflate stream
             return "unknown"
         if len(inner) >= 348 and inner[344:348] in (b"n+1\x00", b"ni1\x00"):
             return "nifti"
@@ -94,7 +94,9 @@ def extract_zip(archive: Path, dest: Path, max_bytes: int) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     try:
         zf = zipfile.ZipFile(archive)
-    except zipfile.BadZipFile as error:
+    # Also a damaged central directory: a member name flagged UTF-8 that is not, a "version needed" zipfile does
+    # not support.
+    except (zipfile.BadZipFile, UnicodeDecodeError, NotImplementedError) as error:
         raise ApiError(400, "bad_zip", f"not a readable zip file: {error}") from error
     with zf:
         members = zf.infolist()
@@ -135,9 +137,10 @@ def _damaged(name: str, error: Exception) -> ApiError:
 
 
 def _member_os_error(name: str, error: OSError) -> ApiError:
-    """An OSError while a member is extracted: a corrupt bzip2 stream (no errno), a name the file system refuses
-    (the client's), or the server's own disk (full: 507; anything else: 500)."""
-    if error.errno is None:
+    """An OSError while a member is extracted: a corrupt bzip2 stream (no errno) or a member offset before the
+    archive's start (a seek's EINVAL), a name the file system refuses (the client's), or the server's own disk
+    (full: 507; anything else: 500)."""
+    if error.errno in (None, errno.EINVAL):
         return _damaged(name, error)
     if error.errno == errno.ENAMETOOLONG:
         return ApiError(400, "bad_zip", f"zip member {name!r} has a name too long for the file system (each part "

@@ -133,7 +133,7 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
             raise ApiError(400, "bad_request", "input has neither 'data' nor parameters.binary_data_size")
         try:
             array = np.asarray(data, dtype=dtype).reshape(-1)
-        except (TypeError, ValueError) as error:  # strings, ragged nesting, objects
+        except (TypeError, ValueError, OverflowError) as error:  # strings, ragged nesting, objects, out of range
             raise ApiError(400, "bad_request", f"inputs[0].data must be a list of {datatype} numbers: {error}") \
                 from error
         if array.size != math.prod(shape):

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import zipfile
@@ -261,6 +262,33 @@ def test_zip_members_that_cannot_be_stored_say_why(tmp_path: Path) -> None:
     (full / "IM1.dcm").symlink_to("/dev/full")  # every write there fails with ENOSPC, as on a full disk
     error = refusal(_deflated_zip("IM1.dcm", b"DICM" * 5000), full)
     assert (error.status, error.code) == (507, "insufficient_storage") and error.headers["Retry-After"], error.message
+
+
+def test_damaged_zip_directories_and_gzip_lookalikes_are_the_clients(tmp_path: Path) -> None:
+    """A central directory with an offset past its members, a 'version needed' zipfile lacks, or a member name
+    flagged UTF-8 that is not: 400 bad_zip, not 500. A body with gzip's magic but no deflate stream is no input."""
+    from medserve.server.errors import ApiError
+    from medserve.server.inputs import extract_zip, sniff
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        zf.writestr("IM0.dcm", b"\0" * 128 + b"DICM" + b"\0" * 64)
+    good = buffer.getvalue()
+    end, directory = good.rfind(b"PK\x05\x06"), good.find(b"PK\x01\x02")
+    bad_offset = bytearray(good)
+    struct.pack_into("<I", bad_offset, end + 16, struct.unpack_from("<I", good, end + 16)[0] + 1000)
+    new_version = bytearray(good)
+    struct.pack_into("<H", new_version, directory + 6, 87)
+    bad_name = bytearray(good)
+    struct.pack_into("<H", bad_name, directory + 8, struct.unpack_from("<H", good, directory + 8)[0] | 0x800)
+    bad_name[directory + 46] = 0xFF  # the first byte of the member's name
+    for name, archive in (("offset", bad_offset), ("version", new_version), ("name", bad_name)):
+        (tmp_path / f"{name}.zip").write_bytes(archive)
+        with pytest.raises(ApiError) as caught:
+            extract_zip(tmp_path / f"{name}.zip", tmp_path / name, 10**9)
+        assert (caught.value.status, caught.value.code) == (400, "bad_zip"), (name, caught.value.message)
+    (tmp_path / "fake.gz").write_bytes(b"\x1f\x8b" + bytes(range(256)) * 2)
+    assert sniff(tmp_path / "fake.gz") == "unknown"
 
 
 def test_malformed_input_fields_give_400_not_500(thr_server, tmp_path: Path) -> None:

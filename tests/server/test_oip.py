@@ -62,7 +62,10 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
             ({"inputs": [tensor], "outputs": [{"name": "OUTPUT", "parameters": 3}]}, "outputs[0].parameters"),
             ({"inputs": [{**tensor, "shape": [1, 3, 2, 2, 2], "data": [0.0] * 24}]}, "3 channel(s)"),
             ({"inputs": [{**tensor, "data": [0.0] * 7 + [float("nan")]}]}, "NaN or infinite"),
-            ({"inputs": [{**tensor, "datatype": "FP64", "data": [1e40] * 8}]}, "NaN or infinite")):
+            ({"inputs": [{**tensor, "datatype": "FP64", "data": [1e40] * 8}]}, "NaN or infinite"),
+            ({"inputs": [{**tensor, "datatype": "INT8", "data": [300] * 8}]}, "list of INT8 numbers"),
+            ({"inputs": [{**tensor, "datatype": "UINT8", "data": [-1] * 8}]}, "list of UINT8 numbers"),
+            ({"inputs": [{**tensor, "datatype": "INT64", "data": [2**70] * 8}]}, "list of INT64 numbers")):
         r = httpx.post(url, content=json.dumps(request), headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and expected in r.json()["error"], (request, r.text)
     binary = {"inputs": [{**tensor, "data": None, "parameters": {"binary_data_size": 32.0}}]}
