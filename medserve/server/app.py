@@ -26,7 +26,7 @@ from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
                                     validation_error_handler)
 from medserve.server.inputs import MAX_JSON_BYTES, InputSpec, limited, media_type, parse_input
-from medserve.server.jobs import STATES, JobQueue
+from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
 from medserve.server.lock import lock_data_dir
 from medserve.server.metrics import Metrics
 from medserve.server.runner import execute_async, pull
@@ -230,7 +230,10 @@ def create_app(config: ServerConfig) -> FastAPI:
             writeback = _truthy(request.query_params.get("writeback", options.get("writeback", False)))
             if writeback and spec.kind != "dicomweb":
                 raise ApiError(400, "writeback_needs_dicomweb", "writeback only applies to DICOMweb inputs")
-            job = jobs.submit(job_id, model, spec, writeback, key)
+            try:
+                job = jobs.submit(job_id, model, spec, writeback, key)
+            except IdempotencyKeyTaken as taken:  # the same key's other request won the race: answer as a replay
+                return _replayed(taken.job, model)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

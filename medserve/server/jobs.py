@@ -71,6 +71,14 @@ class Cancelled(Exception):
     pass
 
 
+class IdempotencyKeyTaken(Exception):
+    """A concurrent request with the same Idempotency-Key created its job first: `job` is that job."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        super().__init__(job["id"])
+        self.job = job
+
+
 class ServerStopping(Exception):
     """The server is stopping: a waiting job goes back to the queue (a running one is given the grace period, then
     requeued by `close`) and runs again at the next start."""
@@ -176,7 +184,7 @@ class JobQueue:
             existing = self.find_idempotent(key or "")
             if existing is None:
                 raise
-            raise ApiError(409, "idempotency_conflict", "a job with this Idempotency-Key is being created") from error
+            raise IdempotencyKeyTaken(existing) from error
         with self._wake:
             self._wake.notify()
         return self.get(job_id)
@@ -253,8 +261,9 @@ class JobQueue:
             was = row["state"]
             if was in FINAL:
                 raise ApiError(409, "job_finished", f"job {job_id} is already {was}")
+            # outputs=NULL: a job cancelled after its result was saved (during write-back) loses the files.
             self._db.execute("UPDATE jobs SET state='cancelled', progress=0, finished=?, stage='cancelled', "
-                             "error='cancelled by request' WHERE id=?", (time.time(), job_id))
+                             "error='cancelled by request', outputs=NULL WHERE id=?", (time.time(), job_id))
         if was == "queued":
             self._drop_input(job_id)  # no worker will see it
         # A running job's worker notices at its next step and drops the input when it stops.

@@ -8,6 +8,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from dataclasses import replace
@@ -158,6 +159,34 @@ def test_job_waits_for_a_busy_model_past_the_queue_timeout(make_server, study: P
     assert httpx.get(f"{url}/v1/jobs/{first['id']}").json()["state"] == "cancelled"
 
 
+def test_concurrent_requests_with_one_idempotency_key_make_one_job_and_both_get_it(thr_server, study: Path) -> None:
+    """Both requests are past the key's lookup before either inserts (slow bodies): the one that loses the insert
+    is answered as a replay (200, the same job), not 409."""
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as zf:
+        for path in sorted(study.iterdir()):
+            zf.write(path, path.name)
+
+    def slow_body():
+        time.sleep(1.0)
+        yield archive.getvalue()
+
+    answers: dict[int, httpx.Response] = {}
+
+    def post(index: int) -> None:
+        answers[index] = httpx.post(thr_server.url + "/v1/jobs?model=thr", content=slow_body(), timeout=60,
+                                    headers={"Content-Type": "application/zip", "Idempotency-Key": "race"})
+
+    threads = [threading.Thread(target=post, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(r.status_code for r in answers.values()) == [200, 202], [r.text for r in answers.values()]
+    assert answers[0].json()["id"] == answers[1].json()["id"]
+    assert len(httpx.get(thr_server.url + "/v1/jobs").json()["jobs"]) == 1
+
+
 def test_idempotency_key_compares_the_model_from_any_source(thr_server, study: Path) -> None:
     """The same Idempotency-Key naming another model in the form or JSON body is a conflict, not a replay."""
     url, files = thr_server.url, multipart_files(study)
@@ -198,6 +227,29 @@ def test_writeback_rerun_after_a_crash_stows_the_same_seg(tmp_path: Path, store_
         finally:
             servers[-1].stop()
     assert len(store.stowed) == 2 and store.stowed[0] == store.stowed[1], store.stowed
+
+
+def test_a_job_cancelled_during_writeback_lists_no_outputs(make_server, study: Path) -> None:
+    """Cancelled after its result was saved, while the SEG is being STOWed: the result is gone, and the job says
+    so (no outputs), as a failed job does."""
+    stowing, release = threading.Event(), threading.Event()
+
+    def hold_the_stow() -> None:
+        stowing.set()
+        release.wait(30)
+
+    with FakeDicomWeb(study, on_stow=hold_the_stow) as store:
+        server = with_thr(make_server(dicomweb_url=store.url))
+        try:
+            job = httpx.post(server.url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+            assert stowing.wait(120), "the write-back never started"
+            assert httpx.delete(f"{server.url}/v1/jobs/{job['id']}").json()["state"] == "cancelled"
+        finally:
+            release.set()
+        cancelled = _wait(server.url, job["id"], ("cancelled",))
+        assert cancelled["outputs"] == [], cancelled
+        listed = httpx.get(server.url + "/v1/jobs?state=cancelled").json()["jobs"]
+        assert [j["outputs"] for j in listed] == [[]]
 
 
 def _zip_of(folder: Path) -> bytes:
