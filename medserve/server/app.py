@@ -25,7 +25,7 @@ from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
                                     validation_error_handler)
-from medserve.server.inputs import MAX_JSON_BYTES, InputSpec, limited, media_type, parse_input
+from medserve.server.inputs import InputSpec, json_object, media_type, parse_input
 from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
 from medserve.server.lock import lock_data_dir
 from medserve.server.metrics import Metrics
@@ -214,11 +214,10 @@ def create_app(config: ServerConfig) -> FastAPI:
 
         if named:
             job_model({})
-        if existing is not None and media_type(request) == "application/json" and named:
-            # A replay of {"upload": ID} named by the query: no need to extract that upload again (a big study
-            # takes a while). Bodies that carry the study itself are read in full as usual.
-            await limited(request, MAX_JSON_BYTES).body()
-            return _replayed(existing, named)
+        if existing is not None and media_type(request) == "application/json":
+            # A replay of {"upload": ID}: no need to extract that upload again (a big study takes a while), nor for
+            # it to exist still. Bodies that carry the study itself are read in full as usual.
+            return _replayed(existing, job_model(await json_object(request)))
         job_id = jobs.new_id()
         folder = jobs.job_dir(job_id)
         try:

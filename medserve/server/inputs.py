@@ -210,6 +210,17 @@ async def _save_upload(part: UploadFile, target: Path) -> None:
     await anyio.to_thread.run_sync(copy)
 
 
+async def json_object(request: Request) -> dict[str, Any]:
+    """A JSON body that must be an object ({"upload": ID}, {"study": UID, ...}); 400 bad_json otherwise."""
+    try:
+        body = await limited(request, MAX_JSON_BYTES).json()
+    except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
+        raise ApiError(400, "bad_json", f"request body is not JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise ApiError(400, "bad_json", "request body must be a JSON object")
+    return body
+
+
 def limited(request: Request, max_bytes: int) -> Request:
     """The same request, refusing a body over `max_bytes` with 413: at once when Content-Length says so, else
     as soon as the bytes received pass the limit (chunked bodies, parsers that read the whole body)."""
@@ -266,12 +277,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     content_type = media_type(request)
     uploads = request.app.state.uploads
     if content_type == "application/json":
-        try:
-            body = await limited(request, MAX_JSON_BYTES).json()
-        except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
-            raise ApiError(400, "bad_json", f"request body is not JSON: {error}") from error
-        if not isinstance(body, dict):
-            raise ApiError(400, "bad_json", "request body must be a JSON object")
+        body = await json_object(request)
         options = {k: body[k] for k in ("format", "writeback", "model") if k in body}
         check(options)
         if "upload" in body:

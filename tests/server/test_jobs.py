@@ -187,6 +187,26 @@ def test_concurrent_requests_with_one_idempotency_key_make_one_job_and_both_get_
     assert len(httpx.get(thr_server.url + "/v1/jobs").json()["jobs"]) == 1
 
 
+def test_a_replay_naming_its_model_in_the_json_body_needs_no_upload(thr_server, study: Path) -> None:
+    """An Idempotency-Key replay of {"upload": ID, "model": M} is answered from the recorded job, as one naming
+    the model in the query is: not re-staged, and still answered once the upload is gone."""
+    tus = {"Tus-Resumable": "1.0.0"}
+    archive = _zip_of(study)
+    created = httpx.post(thr_server.url + "/v1/uploads", headers={**tus, "Upload-Length": str(len(archive))})
+    location = created.headers["Location"]
+    httpx.patch(location, content=archive,
+                headers={**tus, "Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"})
+    body, key = {"upload": location.rsplit("/", 1)[-1], "model": "thr"}, {"Idempotency-Key": "body-model"}
+    first = httpx.post(thr_server.url + "/v1/jobs", json=body, headers=key)
+    assert first.status_code == 202, first.text
+    assert httpx.delete(location, headers=tus).status_code == 204
+    replay = httpx.post(thr_server.url + "/v1/jobs", json=body, headers=key)
+    assert replay.status_code == 200 and replay.headers["Idempotent-Replayed"] == "true", replay.text
+    assert replay.json()["id"] == first.json()["id"]
+    other = httpx.post(thr_server.url + "/v1/jobs", json={**body, "model": "other"}, headers=key)
+    assert other.status_code == 409 and other.json()["error"] == "idempotency_conflict", other.text
+
+
 def test_idempotency_key_compares_the_model_from_any_source(thr_server, study: Path) -> None:
     """The same Idempotency-Key naming another model in the form or JSON body is a conflict, not a replay."""
     url, files = thr_server.url, multipart_files(study)
