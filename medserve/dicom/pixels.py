@@ -3,9 +3,9 @@
 Uncompressed little-endian pixel data is read straight from the file at the offset the index recorded (no
 per-file dataset copy) and so is RLE Lossless, decoded by imagecodecs (its decoder releases the GIL, so threads
 decode in parallel; pylibjpeg-rle's holds it); other compressed transfer syntaxes, and slices whose modality
-transform is a Modality LUT Sequence rather than a rescale, are read by pydicom. How stored values become modality units (`PixelFormat`) is parsed from the header once per distinct set
-of stored attribute bytes: a series has one or a few, and pydicom's attribute access costs more than reading a
-slice.
+transform is a Modality LUT Sequence rather than a rescale, are read by pydicom. How stored values become
+modality units (`PixelFormat`) is parsed from the header once per distinct set of stored attribute bytes: a
+series has one or a few, and pydicom's attribute access costs more than reading a slice.
 """
 
 from __future__ import annotations
