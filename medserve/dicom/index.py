@@ -22,7 +22,7 @@ from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pydicom.valuerep import VR
 
 from medserve.dicom.memory import VolumeMemory
-from medserve.dicom.values import integer_value, uid_value
+from medserve.dicom.values import number_of_frames, uid_value
 from medserve.errors import DicomInputError
 
 log = logging.getLogger("medserve.dicom.index")
@@ -47,7 +47,7 @@ class Instance:
 
     @property
     def number_of_frames(self) -> int:
-        return integer_value(self.dataset, "NumberOfFrames", 1) or 1
+        return number_of_frames(self.dataset)
 
     @property
     def is_multiframe(self) -> bool:
@@ -121,8 +121,7 @@ class StudyIndex:
 
 def is_multiframe_dataset(dataset: Dataset) -> bool:
     """A multi-frame object: several frames, or an Enhanced object (functional groups) with any number."""
-    return (integer_value(dataset, "NumberOfFrames", 1) or 1) > 1 or any(keyword in dataset
-                                                                          for keyword in _FUNCTIONAL_GROUPS)
+    return number_of_frames(dataset) > 1 or any(keyword in dataset for keyword in _FUNCTIONAL_GROUPS)
 
 
 def read_header(path: Path) -> Instance:

@@ -18,7 +18,7 @@ import weakref
 import numpy as np
 from pydicom.dataset import Dataset
 
-from medserve.dicom.values import integer_value
+from medserve.dicom.values import integer_value, number_of_frames
 
 log = logging.getLogger("medserve.dicom.memory")
 
@@ -98,7 +98,7 @@ class VolumeMemory:
     def for_header(cls, dataset: Dataset, capacity: int) -> VolumeMemory | None:
         """Memory for a series whose first header is `dataset`, or None when it is not a stack of single frames."""
         rows, columns = integer_value(dataset, "Rows"), integer_value(dataset, "Columns")
-        if not rows or not columns or (integer_value(dataset, "NumberOfFrames", 1) or 1) != 1:
+        if not rows or not columns or number_of_frames(dataset) != 1:
             return None
         try:
             return cls((rows, columns), capacity)

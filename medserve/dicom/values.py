@@ -68,6 +68,11 @@ def integer_value(dataset: Dataset, keyword: str, default: int | None = None) ->
     raise DicomInputError(f"{name}: {keyword} {value!r} is not a whole number; expected one integer value")
 
 
+def number_of_frames(dataset: Dataset) -> int:
+    """NumberOfFrames, 1 when it is absent, empty or 0 (single-frame images leave it out)."""
+    return integer_value(dataset, "NumberOfFrames", 1) or 1
+
+
 def stored_bytes(dataset: Dataset, keyword: str) -> bytes | None:
     """A raw element's stored bytes (for a cheap equality test across files), or None once converted."""
     element = dataset.get_item(keyword)

@@ -28,6 +28,7 @@ from pydicom.uid import generate_uid
 from pydicom.valuerep import DA, TM
 
 import medserve
+from medserve.dicom.values import number_of_frames
 from medserve.dicom.volume import single_image_spacing
 from medserve.errors import DicomInputError
 from medserve.writers.files import atomic_output
@@ -247,7 +248,7 @@ def _long_string(text: str) -> str:
 def _frames_shape(source: list[Dataset]) -> tuple[int, int, int] | None:
     """(images, rows, columns) of single-frame source images, the shape a label map over them has; None when
     there are multi-frame ones (highdicom checks a label map against their frames)."""
-    if not source or any(int(dataset.get("NumberOfFrames", 1) or 1) != 1 for dataset in source):
+    if not source or any(number_of_frames(dataset) != 1 for dataset in source):
         return None
     return len(source), int(source[0].Rows), int(source[0].Columns)
 
@@ -332,7 +333,7 @@ def _highdicom_accepts_character_set(declared: object) -> bool:
 def _slice_spacing(source: list[Dataset]) -> float | None:
     """The distance between the first two single-frame images' positions (the source comes in slice order), in
     mm; for a single image the spacing its volume was built with; None for multi-frame images."""
-    if any(int(d.get("NumberOfFrames", 1) or 1) != 1 for d in source[:2]):
+    if any(number_of_frames(d) != 1 for d in source[:2]):
         return None
     if len(source) == 1:
         return single_image_spacing(source[0])
