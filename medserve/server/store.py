@@ -227,7 +227,7 @@ class ModelEntry:
     memory: int = 0
     load_seconds: float | None = None
     reloading: bool = False
-    unloads: int = 0  # admin unloads so far: a load that an unload overtook does not keep its predictor
+    unloads: int = 0  # admin unloads so far: a load asked for before an unload does not keep its predictor
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     map: MapModel | None = None  # set once a MAP descriptor has been parsed
 
@@ -389,12 +389,12 @@ class ModelStore:
         if entry.predictor is not None:
             # Replacement: the old predictor keeps serving until the new one is ready.
             entry.reloading = True
-            self._background.submit(self._load_safely, entry.name)
+            self._load_in_background(entry)
             return
         entry.state, entry.error = "available", None
         if self._wants_eager_load(entry):
             entry.state = "loading"
-            self._background.submit(self._load_safely, entry.name)
+            self._load_in_background(entry)
 
     def _wants_eager_load(self, entry: ModelEntry) -> bool:
         preload = self.config.preload
@@ -404,11 +404,23 @@ class ModelStore:
         busy = [e for e in self._entries.values() if e.predictor is not None or e.state == "loading"]
         return self.config.max_models is None or len(busy) < self.config.max_models
 
-    def _load_safely(self, name: str) -> None:
+    def _load_in_background(self, entry: ModelEntry) -> None:
+        """Queue a load behind the ones already queued; an admin unload before it starts cancels it."""
+        self._background.submit(self._load_safely, entry, entry.unloads)
+
+    def _load_safely(self, entry: ModelEntry, asked_at_unloads: int) -> None:
+        with self._lock:
+            if self._entries.get(entry.name) is not entry:  # removed from the store while the load was queued
+                return
+        if entry.unloads != asked_at_unloads:  # nobody waits for a background load: the unload wins outright
+            with self._lock:
+                entry.reloading = False
+            log.info("%s was unloaded before its queued load started; not loading it", entry.name)
+            return
         try:
-            self.load(name)
+            self.load(entry.name, asked_at_unloads=asked_at_unloads)
         except Exception as error:  # state already records the failure
-            log.debug("background load of %s failed: %s", name, error)
+            log.debug("background load of %s failed: %s", entry.name, error)
 
     def _check_map(self, entry: ModelEntry) -> None:
         """Read the MAP's manifests from its image: `available`, or `failed` naming the image and the reason."""
@@ -427,10 +439,15 @@ class ModelStore:
         log.info("MAP model %s ready: %s", entry.name, entry.map.image)
 
     # ---- loading ---------------------------------------------------------------------------------------
-    def load(self, name: str) -> Any:
+    def load(self, name: str, asked_at_unloads: int | None = None) -> Any:
         """Load (or reload) `name` now and return its predictor; raises BundleError and marks `failed`, or 503
-        model_settling when its files are not the ones that last satisfied the half-copy rule."""
+        model_settling when its files are not the ones that last satisfied the half-copy rule.
+
+        An admin unload after the load was asked for (`asked_at_unloads`, the entry's unload count then; by
+        default now, before waiting for another caller's load of the same model) wins: the caller gets the
+        predictor for this once, and the store does not keep it."""
         entry = self.entry(name)
+        asked = entry.unloads if asked_at_unloads is None else asked_at_unloads
         with entry.load_lock:
             current = entry.settled_fp
             if entry.predictor is not None and entry.loaded_fp == current and not entry.reloading:
@@ -441,7 +458,7 @@ class ModelStore:
                 raise self._settling(entry)
             if entry.predictor is None:
                 entry.state = "loading"
-            unloads, start = entry.unloads, time.monotonic()
+            start = time.monotonic()
             try:
                 predictor = _default_loader(entry.path, self.config.device)
             except Exception as error:
@@ -455,9 +472,10 @@ class ModelStore:
             with self._lock:
                 if self._entries.get(name) is not entry:  # removed while loading
                     raise ApiError(404, "unknown_model", f"model {name!r} was removed from the store")
-                if entry.unloads != unloads:
-                    # Unloaded while loading: the caller that needed it gets it for this once; none is kept.
+                if entry.unloads != asked:
                     entry.reloading = False
+                    if entry.predictor is None:  # a load that began after the unload set `loading`
+                        entry.state = "unloaded"
                     log.info("%s was unloaded while it loaded; not keeping it", name)
                     return predictor
                 entry.predictor, entry.loaded_fp, entry.reloading = predictor, current, False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import shutil
 import subprocess
@@ -261,6 +262,73 @@ def test_unload_during_a_load_wins(make_server, held_loads: threading.Event, stu
     r = httpx.post(server.url + "/v1/models/a/infer", files=multipart_files(study), timeout=120)
     assert r.status_code == 200, r.text
     assert _models(server.url)["a"]["state"] == "loaded"
+
+
+def test_unload_cancels_a_queued_background_load(make_server, held_loads: threading.Event) -> None:
+    """An admin unload of a model whose eager load is still queued behind another model's load leaves it
+    unloaded: the queued load does not run at all."""
+    server = make_server(stable_seconds=0.3)
+    add_bundle(server.config.store, "a")
+    add_bundle(server.config.store, "b")
+    for name in ("a", "b"):  # both settled, so both loads are queued (the loader thread runs one at a time)
+        server.store.wait_until(name, ("loading",), 30)
+    deadline = time.monotonic() + 30
+    while not any(server.store.entry(name).load_lock.locked() for name in ("a", "b")):
+        assert time.monotonic() < deadline, "no load started"
+        time.sleep(0.05)
+    queued = next(name for name in ("a", "b") if not server.store.entry(name).load_lock.locked())
+    assert httpx.post(f"{server.url}/v1/models/{queued}/unload").json()["state"] == "unloaded"
+    held_loads.set()
+    server.store._background.submit(lambda: None).result(timeout=60)  # the loader thread's queue has run dry
+    models = _models(server.url)
+    assert (models[queued]["state"], models[queued]["loaded"]) == ("unloaded", False), models[queued]
+    other = ({"a", "b"} - {queued}).pop()
+    assert (models[other]["state"], models[other]["loaded"]) == ("loaded", True), models[other]
+
+
+class _CountingLock:
+    """A model's load lock that tells when a second caller has come to wait for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arrivals = 0
+        self.second_arrived = threading.Event()
+
+    def __enter__(self) -> bool:
+        self._arrivals += 1
+        if self._arrivals == 2:
+            self.second_arrived.set()
+        return self._lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.__exit__(*exc)
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+
+def test_unload_wins_over_a_request_waiting_for_the_load(make_server, held_loads: threading.Event,
+                                                         study: Path) -> None:
+    """A request that waits for a model's load in progress when an admin unload comes is served once; the store
+    keeps neither that load nor the one the request makes after it."""
+    server = make_server(stable_seconds=2.0)
+    add_bundle(server.config.store, "a")
+    entry = server.store.wait_until("a", ("copying",), 30)  # before it settles and its load starts
+    lock = entry.load_lock = _CountingLock()  # type: ignore[assignment]
+    server.store.wait_until("a", ("loading",), 30)
+    deadline = time.monotonic() + 30
+    while not lock.locked():
+        assert time.monotonic() < deadline, "the background load never started"
+        time.sleep(0.05)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        request = pool.submit(httpx.post, server.url + "/v1/models/a/infer", files=multipart_files(study),
+                              timeout=120)
+        assert lock.second_arrived.wait(30), "the request never came to wait for the load"
+        assert httpx.post(server.url + "/v1/models/a/unload").json()["state"] == "unloaded"
+        held_loads.set()
+        assert request.result().status_code == 200, request.result().text
+    model = _models(server.url)["a"]
+    assert (model["state"], model["loaded"]) == ("unloaded", False), model
 
 
 @pytest.mark.parametrize(("descriptor", "expected"), [
