@@ -183,6 +183,21 @@ def stage_file(path: Path, dest: Path, max_bytes: int, link: bool = False) -> In
     raise ApiError(400, "unsupported_input", "the input is neither DICOM, a zip of DICOM files nor NIfTI")
 
 
+def stage_upload(path: Path, dest: Path, max_bytes: int) -> InputSpec:
+    """A finished tus upload -> InputSpec. The upload's bytes are hard-linked into `dest` first, in one step, so a
+    DELETE or expiry of the upload from then on leaves this request its input; one that came before is a 404."""
+    held = dest / "upload.bin"
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        _place(path, held, link=True)
+    except FileNotFoundError as error:
+        raise ApiError(404, "unknown_upload", f"upload {path.stem!r} was removed before it could be used") from error
+    try:
+        return stage_file(held, dest, max_bytes, link=True)
+    finally:
+        held.unlink()
+
+
 def _place(src: Path, dst: Path, link: bool) -> None:
     """Hard-link when asked (tus uploads: no copy, and the job keeps its input even if the upload expires)."""
     if link:
@@ -282,7 +297,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
         check(options)
         if "upload" in body:
             path = uploads.finished(str(body["upload"]))
-            spec = await anyio.to_thread.run_sync(stage_file, path, dest, max_bytes, True)
+            spec = await anyio.to_thread.run_sync(stage_upload, path, dest, max_bytes)
             return spec, options
         if "study" in body:
             _check_uid(body, "study", "Study")

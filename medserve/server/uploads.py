@@ -94,12 +94,24 @@ class UploadStore:
         metadata, normalized = parse_metadata(metadata_header)
         now = time.time()
         info = UploadInfo(uuid.uuid4().hex, length, metadata, now, now + self.expiry_seconds, normalized)
-        data, meta = self._paths(info.id)
-        data.touch()
-        tmp = meta.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(info)))
-        tmp.replace(meta)
+        data = self._paths(info.id)[0]
+        # The description first: every upload's bytes then have one that `sweep` finds, even after a crash here.
+        try:
+            self._write_info(info)
+            data.open("xb").close()
+        except BaseException:
+            self.delete(info.id)
+            raise
         return info
+
+    def _write_info(self, info: UploadInfo) -> None:
+        meta = self._paths(info.id)[1]
+        tmp = meta.with_suffix(".json.tmp")
+        try:
+            tmp.write_text(json.dumps(asdict(info)))
+            tmp.replace(meta)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def info(self, upload_id: str) -> UploadInfo:
         data, meta = self._paths(upload_id)
@@ -121,13 +133,10 @@ class UploadStore:
     def touch(self, info: UploadInfo) -> None:
         """Activity extends the expiry (an upload that is being resumed should not vanish); refused (404) when its
         bytes were removed meanwhile, rather than bringing back the description of an upload without data."""
-        data, meta = self._paths(info.id)
-        if not data.exists():
+        if not self._paths(info.id)[0].exists():
             raise ApiError(404, "unknown_upload", f"upload {info.id!r} was removed while it was being written")
         info.expires = time.time() + self.expiry_seconds
-        tmp = meta.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(info)))
-        tmp.replace(meta)
+        self._write_info(info)
 
     def delete(self, upload_id: str) -> None:
         for path in self._paths(upload_id):
@@ -148,7 +157,8 @@ class UploadStore:
         return self._paths(upload_id)[0]
 
     def sweep(self) -> int:
-        """Delete expired uploads; returns how many went."""
+        """Delete expired uploads; returns how many went. Files a crash left without a description (bytes of an
+        upload being created, a description being rewritten) go once they are older than the expiry."""
         gone = 0
         now = time.time()
         for meta in self.root.glob("*.json"):
@@ -157,6 +167,13 @@ class UploadStore:
                     self.delete(meta.stem)
                     gone += 1
             except (OSError, ValueError, KeyError, ApiError):
+                continue
+        for leftover in [*self.root.glob("*.json.tmp"), *self.root.glob("*.bin")]:
+            orphan = leftover.suffix == ".tmp" or not leftover.with_suffix(".json").exists()
+            try:
+                if orphan and leftover.stat().st_mtime < now - self.expiry_seconds:
+                    leftover.unlink()
+            except FileNotFoundError:
                 continue
         return gone
 

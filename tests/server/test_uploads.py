@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
 import hashlib
 import os
 import socket
@@ -214,3 +215,54 @@ def test_only_existing_uploads_get_a_lock_and_deleted_ones_drop_it(make_server) 
     assert len(uploads._locks) == 1
     assert httpx.delete(location, headers=TUS).status_code == 204
     assert uploads._locks == {}
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/models/thr/infer", "/v1/jobs"])
+def test_an_upload_removed_while_it_is_staged_is_a_404(thr_server, demo_study: Path, endpoint: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tus DELETE (or the expiry sweep) that removes a finished upload between the request's check of it and
+    the copy of its bytes into the request: 404 unknown_upload, as if it had come a moment earlier."""
+    data = next(p for p in sorted(demo_study.iterdir()) if p.is_file()).read_bytes()
+    location = _create(thr_server, len(data))
+    assert _patch(location, data, 0).status_code == 204
+    uploads = thr_server.app.state.uploads
+    finished = UploadStore.finished
+
+    def finished_then_deleted(store: UploadStore, upload_id: str) -> Path:
+        path = finished(store, upload_id)
+        store.delete(upload_id)  # what a concurrent DELETE /v1/uploads/ID does
+        return path
+
+    monkeypatch.setattr(UploadStore, "finished", finished_then_deleted)
+    r = httpx.post(thr_server.url + endpoint, json={"upload": location.rsplit("/", 1)[-1], "model": "thr"},
+                   timeout=60)
+    assert (r.status_code, r.json()["error"]) == (404, "unknown_upload"), r.text
+    assert "removed" in r.json()["message"], r.text
+    assert list(uploads.root.iterdir()) == []
+
+
+def test_a_failed_create_leaves_no_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fills up while an upload is created leaves neither bytes nor a description behind."""
+    store = UploadStore(tmp_path, max_bytes=1024, expiry_seconds=60)
+
+    def disk_full(path: Path, *args: object, **kwargs: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError):
+        store.create(4)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_removes_what_a_crash_left_once_it_is_older_than_the_expiry(tmp_path: Path) -> None:
+    store = UploadStore(tmp_path, max_bytes=1024, expiry_seconds=60)
+    kept = store.create(4)
+    old = time.time() - 120
+    leftovers = [tmp_path / f"{'1' * 32}.bin", tmp_path / f"{'2' * 32}.json.tmp"]
+    recent = [tmp_path / f"{'3' * 32}.bin", tmp_path / f"{'4' * 32}.json.tmp"]  # a create still in progress
+    for path in leftovers + recent:
+        path.write_bytes(b"x")
+    for path in [*leftovers, *store._paths(kept.id)]:
+        os.utime(path, (old, old))  # the live upload's files are as old; its description keeps them
+    assert store.sweep() == 0
+    assert sorted(tmp_path.iterdir()) == sorted([*recent, *store._paths(kept.id)])
