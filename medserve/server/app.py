@@ -167,6 +167,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             if spec.kind == "dicomweb":
                 spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)
             outcome = await execute_async(store, name, spec, work / "out", nifti=fmt == "nifti")
+            result = outcome.result
+            path = result.seg_path if fmt == "seg" else result.nifti_path
+            if path is None:  # a MAP's app may write only the SEG
+                raise ApiError(406, "format_unavailable", f"model {name!r} produced no {fmt} output; ask for "
+                               f"{'nifti' if fmt == 'seg' else 'seg'}")
             status = "200"
         except ApiError as error:
             status = str(error.status)
@@ -181,11 +186,6 @@ def create_app(config: ServerConfig) -> FastAPI:
                 shutil.rmtree(work, ignore_errors=True)
         metrics.latency.labels(name, "v1").observe(time.monotonic() - start)
         metrics.queue.labels(name).observe(outcome.queued_s)
-        result = outcome.result
-        path = result.seg_path if fmt == "seg" else result.nifti_path
-        if path is None:
-            shutil.rmtree(work, ignore_errors=True)
-            raise ApiError(500, "no_output", f"the pipeline produced no {fmt} output")
         headers = {"X-Medserve-Timings": json.dumps({k: round(v, 4) for k, v in outcome.timings.items()}),
                    "X-Medserve-Segments": json.dumps(getattr(result, "segments", {}) or {}, default=int)}
         for attr, header in (("study_uid", "X-Medserve-Study-UID"), ("series_uid", "X-Medserve-Series-UID")):

@@ -120,13 +120,38 @@ def test_map_run_reports_the_apps_failure(bundle_seg_map: str, tmp_path: Path) -
     assert not (tmp_path / "out" / "seg.dcm").exists()
 
 
+@pytest.fixture(scope="module")
+def seg_only_map(bundle_seg_map: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A MAP whose app writes the SEG and no NIfTI label map, as many published MAPs do: the bundle_seg image
+    with `--no-nifti` added to the command in its app.json (one layer on top, made with buildah)."""
+    from medserve.packaging import layout
+    from medserve.packaging.engine import base_command
+
+    read = podman_run(bundle_seg_map, layout.APP_MANIFEST_PATH, entrypoint="cat")
+    assert read.returncode == 0, read.stderr
+    manifest = json.loads(read.stdout)
+    manifest["command"] = json.dumps([*json.loads(manifest["command"]), "--no-nifti"])
+    path = tmp_path_factory.mktemp("seg_only") / "app.json"
+    path.write_text(json.dumps(manifest))
+    tag = f"{TAG}-seg-only"
+    buildah = base_command("buildah")
+    container = subprocess.run([*buildah, "from", "--pull-never", bundle_seg_map], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    subprocess.run([*buildah, "copy", "--chmod", "0644", container, str(path), layout.APP_MANIFEST_PATH],
+                   capture_output=True, check=True)
+    subprocess.run([*buildah, "commit", "--rm", container, tag], capture_output=True, check=True)
+    yield tag
+    remove_image(tag)
+
+
 @pytest.fixture
-def map_server(bundle_seg_map: str, tmp_path: Path) -> Iterator[str]:
+def map_server(bundle_seg_map: str, seg_only_map: str, tmp_path: Path) -> Iterator[str]:
     """The model server in a thread on 127.0.0.1, over a store holding only MAP descriptors: the session's
-    bundle_seg image, and one naming an image that does not exist."""
+    bundle_seg image, one of it that writes no NIfTI, and one naming an image that does not exist."""
     store = tmp_path / "store"
     store.mkdir()
     (store / "seg.map.json").write_text(json.dumps({"image": bundle_seg_map, "engine": "podman"}))
+    (store / "seg_only.map.json").write_text(json.dumps({"image": seg_only_map, "engine": "podman"}))
     (store / "ghost.map.json").write_text(json.dumps({"image": f"localhost/medserve-test-no-such-map:{SESSION}"}))
     config = ServerConfig(store=store, data_dir=tmp_path / "data", port=free_port(), poll_interval=0.1,
                           stable_seconds=0.2, device="cpu")
@@ -139,11 +164,11 @@ def map_server(bundle_seg_map: str, tmp_path: Path) -> Iterator[str]:
     while True:  # ready once both descriptors are checked: the image's manifests read, or the failure recorded
         try:
             states = {m["name"]: m["state"] for m in httpx.get(url + "/v1/models", timeout=2).json()["models"]}
-            if states == {"seg": "available", "ghost": "failed"}:
+            if states == {"seg": "available", "seg_only": "available", "ghost": "failed"}:
                 break
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, "the server did not check both MAP descriptors within 60 s"
+        assert time.monotonic() < deadline, "the server did not check the MAP descriptors within 60 s"
         time.sleep(0.1)
     yield url
     server.should_exit = True
@@ -199,3 +224,12 @@ def test_map_served_by_name(map_server: str, demo_study: Path, direct_seg: Path,
     assert result.status_code == 200
     (tmp_path / "job.dcm").write_bytes(result.content)
     assert np.array_equal(_seg_volume(tmp_path / "job.dcm").array, expected.array)
+
+    # A MAP that writes only the SEG, asked for the NIfTI label map: 406 naming what it can give, counted as such.
+    no_nifti = httpx.post(map_server + "/v1/models/seg_only/infer?format=nifti", content=study_zip,
+                          headers={"Content-Type": "application/zip"}, timeout=300)
+    assert (no_nifti.status_code, no_nifti.json()["error"]) == (406, "format_unavailable"), no_nifti.text
+    assert "produced no nifti output; ask for seg" in no_nifti.json()["message"], no_nifti.text
+    counted = [line for line in httpx.get(map_server + "/metrics").text.splitlines()
+               if line.startswith("medserve_requests_total") and 'model="seg_only"' in line]
+    assert counted == ['medserve_requests_total{endpoint="v1",model="seg_only",status="406"} 1.0'], counted
