@@ -46,6 +46,9 @@ def check_format(fmt: Any) -> str:
     return fmt
 
 
+MODEL_ACTIONS = ("load", "unload", "infer")  # POST /v1/models/NAME/ACTION
+
+
 def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
     """`?format=` / form field wins, then Accept, then the natural output of the input (SEG for DICOM)."""
     fmt = request.query_params.get("format") or options.get("format")
@@ -138,7 +141,11 @@ def create_app(config: ServerConfig) -> FastAPI:
         return {"models": [e.summary() for e in store.entries()]}
 
     @app.get("/v1/models/{name:path}", tags=["models"], dependencies=[Depends(require("admin"))])
-    async def show_model(name: str) -> dict[str, Any]:
+    async def show_model(name: str, request: Request) -> dict[str, Any]:
+        model, _, action = name.rpartition("/")
+        if model and action in MODEL_ACTIONS:  # the path parameter would take `NAME/infer` as a model name
+            raise ApiError(405, "method_not_allowed", f"Method Not Allowed: GET {request.url.path} (use POST)",
+                           {"Allow": "POST"})
         return store.entry(name).summary()
 
     @app.post("/v1/models/{name:path}/load", tags=["models"], dependencies=[Depends(require("admin"))])

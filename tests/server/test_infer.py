@@ -373,11 +373,15 @@ def test_every_error_has_the_json_shape(thr_server) -> None:
             (httpx.get(url + "/v1/jobs?state=bogus"), 400, "bad_parameter"),
             (httpx.get(url + "/v1/nothing"), 404, "not_found"),
             (httpx.put(url + "/v1/jobs"), 405, "method_not_allowed"),
+            (httpx.get(url + "/v1/models/thr/infer"), 405, "method_not_allowed"),
+            (httpx.get(url + "/v1/models/thr/unload"), 405, "method_not_allowed"),
             (httpx.get(url + "/v1/jobs/" + "0" * 32 + "/result?format=bogus"), 400, "bad_format")):
         assert response.status_code == status and response.json()["error"] == code, response.text
         assert set(response.json()) == {"error", "message"}
     assert "limit" in httpx.get(url + "/v1/jobs?limit=abc").json()["message"]
     assert "/v1/nothing" in httpx.get(url + "/v1/nothing").json()["message"]
+    assert httpx.get(url + "/v1/models/thr/infer").headers["Allow"] == "POST"
+    assert httpx.get(url + "/v1/models/thr").json()["name"] == "thr"
 
 
 def test_deep_json_and_clashing_part_names_are_handled(thr_server, tmp_path: Path) -> None:
