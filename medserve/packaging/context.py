@@ -107,9 +107,7 @@ def ignored(directory: str, names: list[str]) -> set[str]:
 
 def _copy_tree(source: Path, target: Path, what: str) -> None:
     """copytree with the official ignore patterns; an unreadable entry (a dangling symlink) or a symlink loop is
-    a PackagingError. The copy is made readable by all: the image runs as another user (the holoscan user, or
-    the host's UID with `medserve run`), so a file only its owner may read (umask 077) would fail only then.
-    (The official packager has the same gap.)"""
+    a PackagingError."""
     try:
         shutil.copytree(source, target, ignore=ignored)
     except shutil.Error as error:
@@ -125,7 +123,6 @@ def _copy_tree(source: Path, target: Path, what: str) -> None:
     except RecursionError as error:
         raise PackagingError(f"{what} {source}: a symlink in it leads back up the tree it is in (a loop); "
                              "expected a tree of files (remove the link)") from error
-    _readable_by_all(target)
 
 
 def _loop_link(source: Path, bad: Path) -> Path | None:
@@ -255,7 +252,6 @@ def write_context(inputs: BuildInputs, directory: Path) -> Path:
         if source.is_file():
             (models / name).mkdir()
             shutil.copy2(source, models / name / source.name)
-            _readable_by_all(models / name / source.name)
         else:
             _copy_tree(source, models / name, "model")
     if inputs.docs is not None:
@@ -266,6 +262,12 @@ def write_context(inputs: BuildInputs, directory: Path) -> Path:
     shutil.copy2(inputs.config.path, directory / "app.config")
     (directory / "tools").write_text(tools_script())
     (directory / "tools").chmod(0o755)
+    # The image runs as another user (the holoscan user, or the host's UID with `medserve run`): what goes into
+    # it is made readable by all, so that files and folders written under umask 077, or copied from a 0600
+    # app.yaml, do not fail only at run time. (The official packager has the same gap.)
+    for part in ("app", "lib", "models", "docs", "map", "app.config"):
+        if (directory / part).exists():
+            _readable_by_all(directory / part)
 
     # pip/ is bind-mounted into the pip step only: the CA bundle (networks that re-sign TLS), the wheels and
     # pip.conf (the index URL, which may carry a token) never become a layer, a RUN line or a label.

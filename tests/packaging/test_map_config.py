@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import ssl
 import subprocess
@@ -392,16 +393,28 @@ def test_base_image_help_builds_nothing(capsys) -> None:
     assert exited.value.code == 0 and "image tag" in capsys.readouterr().out
 
 
-def test_files_only_their_owner_may_read_are_readable_in_the_image(tmp_path: Path) -> None:
-    """The image runs as another user than the one who wrote the app and the bundle (umask 077): the build
-    context, which COPY keeps the modes of, has them readable by all."""
+@pytest.mark.parametrize("model", ["bundle folder", "single file"])
+def test_files_only_their_owner_may_read_are_readable_in_the_image(tmp_path: Path, model: str) -> None:
+    """The image runs as another user than the one who wrote the app, app.yaml and the bundle (umask 077): the
+    build context, which COPY keeps the modes of, has everything that goes into the image readable by all:
+    the manifests and app.config too, and the folders made for them."""
     app, bundle = make_app(tmp_path), make_bundle(tmp_path / "models")
-    for path in [*app.rglob("*"), *bundle.rglob("*")]:
+    config = write(tmp_path, GOOD)
+    for path in [*app.rglob("*"), *bundle.rglob("*"), config]:
         path.chmod(0o700 if path.is_dir() else 0o600)
     bundle.chmod(0o700)
-    inputs = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", models=bundle))
-    write_context(inputs, tmp_path / "context")
-    for path in [*(tmp_path / "context" / "app").rglob("*"), *(tmp_path / "context" / "models").rglob("*")]:
+    models = bundle if model == "bundle folder" else next(bundle.rglob("model.pt"))
+    inputs = prepare(PackageRequest(app, config, "x:1", models=models))
+    previous = os.umask(0o077)
+    try:
+        write_context(inputs, tmp_path / "context")
+    finally:
+        os.umask(previous)
+    context = tmp_path / "context"
+    in_image = [context / name for name in ("app", "lib", "models", "map", "app.config", "tools")]
+    checked = [path for part in in_image for path in (part, *part.rglob("*"))]
+    assert any(path.name == "app.json" for path in checked) and any(path.suffix == ".pt" for path in checked)
+    for path in checked:
         wanted = 0o555 if path.is_dir() else 0o444
         assert path.stat().st_mode & wanted == wanted, (path, oct(path.stat().st_mode))
 
