@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 import warnings
 
@@ -45,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("medserve").debug("command failed", exc_info=True)
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as error:
+        stop = signal.Signals(getattr(error, "signum", signal.SIGINT))
+        print(f"interrupted by {stop.name}", file=sys.stderr)
+        return 128 + stop
 
 
 if __name__ == "__main__":

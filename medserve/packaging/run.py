@@ -10,9 +10,14 @@ import posixpath
 import re
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +142,8 @@ class RunRequest:
     engine: str = "auto"
     config: Path | None = None  # replaces the packaged app.yaml
     extra_args: list[str] = field(default_factory=list)
+    # The container's name: an interrupted `run` removes the container by it (the engine would leave it running).
+    name: str = field(default_factory=lambda: f"medserve-run-{uuid.uuid4().hex[:12]}")
 
 
 def _mapped(path: str, working_dir: str) -> str:
@@ -216,7 +223,8 @@ def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str,
     argv = _tool_argv(tool, "run")
     # --network none: a MAP reads and writes mounted folders only; podman's default network also needs
     # bridge and firewall setup that CI sandboxes refuse.
-    argv += ["--rm", "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}", "-w", working_dir]
+    argv += ["--rm", "--name", request.name, "--network", "none", "--user", f"{os.getuid()}:{os.getgid()}",
+             "-w", working_dir]
     for limit in ulimits(tool):
         argv += ["--ulimit", limit]
     argv += ["--shm-size", str(shared_memory_bytes(pkg))]
@@ -280,15 +288,64 @@ def app_exit_code(container_code: int, log: str) -> int:
     return int(logged[-1]) if logged else 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C; `signum` gives the exit status 128 + 15."""
+
+    signum = signal.SIGTERM
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run(request: RunRequest) -> int:
-    """Run the MAP in the foreground, echoing its log; returns the app's exit status."""
-    argv = prepare(request)
-    logger.info("running: %s", " ".join(argv))
+    """Run the MAP in the foreground, echoing its log; returns the app's exit status. Ctrl-C or SIGTERM removes
+    the container before KeyboardInterrupt goes on: the engine passes the signal to the official entrypoint
+    only, which, as the container's first process, ignores it, so the app would run on unattended."""
     last_exit_line = ""
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    with _sigterm_as_interrupt():
+        argv = prepare(request)  # an interruption here: the manifests' container is removed on the way out
+        logger.info("running: %s", " ".join(argv))
+        # Not `with Popen(...)`: its exit waits for the engine after any interruption but Ctrl-C's own class.
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         assert process.stdout is not None
-        for line in process.stdout:
-            sys.stdout.write(line)
-            if APP_EXIT_RE.search(line):
-                last_exit_line = line
+        try:
+            for line in process.stdout:
+                sys.stdout.write(line)
+                if APP_EXIT_RE.search(line):
+                    last_exit_line = line
+            process.wait()
+        except KeyboardInterrupt:
+            _remove_container(request)
+            try:
+                process.wait(timeout=30)  # the engine's client ends with its container
+            except subprocess.TimeoutExpired:
+                process.kill()
+            raise
+        finally:
+            process.stdout.close()
     return app_exit_code(process.returncode, last_exit_line)
+
+
+def _remove_container(request: RunRequest) -> None:
+    tool = engine.pick(request.engine, "podman")
+    # No grace period: the entrypoint ignores SIGTERM, so podman's default stop would only wait 10 s for nothing.
+    at_once = ["--time", "0"] if tool == "podman" else []  # docker rm --force kills at once
+    removed = subprocess.run([*engine.base_command(tool), "rm", "--force", *at_once, request.name],
+                             capture_output=True, text=True, timeout=120)
+    if removed.returncode == 0:
+        logger.info("removed container %s", request.name)
+    else:  # it may not have been created yet, or have ended on its own meanwhile
+        logger.debug("removing container %s: %s", request.name, removed.stderr.strip())

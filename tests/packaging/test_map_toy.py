@@ -4,7 +4,10 @@ inspected, run with podman (runc), pushed to and pulled from a loopback registry
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +25,9 @@ from medserve.packaging.run import RunRequest, inspect, run
 
 TAG = f"localhost/medserve-test-toy:{SESSION}"
 APP = '''\
-import os, pathlib, yaml
+import os, pathlib, sys, time, yaml
+if sys.argv[1:2] == ["--sleep"]:  # a run that is still going when the test interrupts it
+    time.sleep(float(sys.argv[2]))
 out = pathlib.Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
 inp = pathlib.Path(os.environ["HOLOSCAN_INPUT_PATH"])
 models = sorted(os.listdir(os.environ["HOLOSCAN_MODEL_PATH"]))
@@ -153,6 +158,39 @@ def test_run_mounts_input_output(toy_image: str, tmp_path: Path) -> None:
     result = yaml.safe_load((tmp_path / "out" / "result.json").read_text())
     assert result == {"inputs": ["a.dcm", "b.dcm"], "models": ["toy_bundle"], "title": TITLE,
                       "cwd": "/var/holoscan"}
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_removes_its_container(toy_image: str, tmp_path: Path, stop: signal.Signals) -> None:
+    """Ctrl-C or SIGTERM on `medserve run` ends the container too (its entrypoint, the container's first
+    process, ignores the signal the engine passes on), and the exit status says which signal it was."""
+    def containers(running_only: bool = False) -> list[str]:
+        listed = podman("ps", "--all", "--filter", f"ancestor={toy_image}", "--format", "{{.Names}} {{.Command}}")
+        assert listed.returncode == 0, listed.stderr
+        names = [line.split()[0] for line in listed.stdout.splitlines()]
+        # the one `run` started, not the one it creates (never started) to read the manifests first
+        return [name for name in names if name.startswith("medserve-run-")] if running_only else names
+
+    assert containers() == []
+    process = subprocess.Popen([sys.executable, "-m", "medserve.cli", "run", toy_image, "-o", str(tmp_path / "out"),
+                                "--engine", "podman", "--", "--sleep", "300"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not containers(running_only=True):
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the container never started"
+            time.sleep(0.2)
+        process.send_signal(stop)
+        _, err = process.communicate(timeout=60)
+        left = containers()
+    finally:
+        process.kill()
+        for name in containers():
+            podman("rm", "--force", "--time", "0", name)
+    assert process.returncode == 128 + stop, err
+    assert f"interrupted by {stop.name}" in err
+    assert left == []
 
 
 def test_run_missing_image_leaves_no_output(container_tools: None, tmp_path: Path,
