@@ -86,7 +86,7 @@ def _build_argv(builder: str, request: PackageRequest, containerfile: Path, cont
         argv = ["docker", "build", "--progress", "plain", "--platform", platform]
     else:
         # chroot isolation: the default (oci) and rootless modes fail on CI runners without user namespaces.
-        argv = [*engine.base_command("buildah"), "bud", "--isolation", "chroot", "--layers",
+        argv = [*engine.base_command("buildah"), "bud", "--isolation", "chroot", "--layers", "--force-rm",
                 "--platform", platform]
     if request.no_cache:
         argv.append("--no-cache")

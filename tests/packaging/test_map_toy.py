@@ -328,3 +328,21 @@ def test_ghcr_credentials_from_env() -> None:
     assert reg.credentials_from_env("quay.io", env) is None
     actions = reg.credentials_from_env("ghcr.io", {"GITHUB_ACTOR": "bot", "GITHUB_TOKEN": "x"})
     assert actions is not None and actions.source == "GITHUB_ACTOR/GITHUB_TOKEN"
+
+
+def test_a_failed_build_leaves_no_working_container(base_image: str, toy: dict[str, Path]) -> None:
+    """A build whose step fails (here the official user set-up, which cannot take UID 0: root exists) leaves no
+    buildah working container behind."""
+    def working_containers() -> list[str]:
+        from medserve.packaging.engine import base_command
+
+        listed = subprocess.run([*base_command("buildah"), "containers", "--quiet"], capture_output=True, text=True)
+        assert listed.returncode == 0, listed.stderr
+        return listed.stdout.split()
+
+    before = working_containers()
+    with pytest.raises(PackagingError):
+        package(PackageRequest(toy["app"], toy["config"], f"{TAG}-failed", models=toy["models"],
+                               base_image=base_image, builder="buildah", wheel_dir=toy["wheels"], variant="cpu",
+                               uid=0, gid=0))
+    assert working_containers() == before
