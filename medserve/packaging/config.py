@@ -27,7 +27,8 @@ RESOURCE_KEYS = {
     "cpu", "cpuLimit", "gpu", "gpuLimit", "memory", "memoryLimit",
     "gpuMemory", "gpuMemoryLimit", "sharedMemory", "fragments",
 }
-_MEMORY = re.compile(r"^\s*[.\d]+\s*(Mi|MiB|Gi|GiB|MB|GB|m|g)\s*$")
+_MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(Mi|MiB|Gi|GiB|MB|GB|m|g)\s*$")
+_MEMORY_KEYS = {"memory", "memoryLimit", "gpuMemory", "gpuMemoryLimit", "sharedMemory"}
 
 
 def _camel_to_kebab(key: str) -> str:
@@ -69,12 +70,12 @@ def _check_resources(resources: Any, path: Path) -> dict[str, Any]:
     if not isinstance(resources, dict):
         raise PackagingError(f"{path}: 'resources' must be a mapping (cpu, gpu, memory, gpuMemory, ...)")
     for key, value in resources.items():
+        camel = _kebab_to_camel(key.replace("_", "-"))
         if key in RESOURCE_KEYS:
             pass
-        elif _kebab_to_camel(key) in RESOURCE_KEYS:
-            raise PackagingError(
-                f"{path}: resources.{key} is kebab-case; the MAP runner reads resources.{_kebab_to_camel(key)}"
-            )
+        elif camel in RESOURCE_KEYS:
+            spelling = "kebab-case" if "-" in key else "snake_case"
+            raise PackagingError(f"{path}: resources.{key} is {spelling}; the MAP runner reads resources.{camel}")
         else:
             logger.warning("%s: unknown key resources.%s (kept in pkg.json, ignored by runners)", path, key)
             continue
@@ -82,12 +83,31 @@ def _check_resources(resources: Any, path: Path) -> dict[str, Any]:
             raise PackagingError(f"{path}: resources.{key} must be a positive number, got {value!r}")
         if key in {"gpu", "gpuLimit"} and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise PackagingError(f"{path}: resources.{key} must be a whole number >= 0, got {value!r}")
-        if key in {"memory", "memoryLimit", "gpuMemory", "gpuMemoryLimit", "sharedMemory"}:
-            if not (isinstance(value, (int, float)) or (isinstance(value, str) and _MEMORY.match(value))):
-                raise PackagingError(
-                    f"{path}: resources.{key} must be a size like '2Gi', '512Mi', '1GB', got {value!r}"
-                )
+        if key in _MEMORY_KEYS:
+            _check_size(value, f"{path}: resources.{key}")
+        if key == "fragments":
+            _check_fragments(value, path)
     return dict(resources)
+
+
+def _check_size(value: Any, where: str) -> None:
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+            or (isinstance(value, str) and _MEMORY.match(value))):
+        raise PackagingError(f"{where} must be a size like '2Gi', '512Mi', '1GB', got {value!r}")
+
+
+def _check_fragments(fragments: Any, path: Path) -> None:
+    """`resources.fragments`: per fragment of a distributed app, its own resources; the runner takes the largest
+    sharedMemory of them all."""
+    if fragments is None:
+        return
+    if not isinstance(fragments, dict) or not all(isinstance(f, dict) for f in fragments.values()):
+        raise PackagingError(f"{path}: resources.fragments must map each fragment's name to its resources, got "
+                             f"{fragments!r}")
+    for name, resources in fragments.items():
+        for key, value in resources.items():
+            if key in _MEMORY_KEYS:
+                _check_size(value, f"{path}: resources.fragments.{name}.{key}")
 
 
 def read_app_config(path: Path, version_override: str | None = None) -> AppConfig:

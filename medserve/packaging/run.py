@@ -206,9 +206,10 @@ def shared_memory_bytes(pkg: dict[str, Any]) -> int:
         pkg = {**pkg, "resources": {**resources, "fragments": resources.get("fragments") or {}}}
     try:
         return int(get_shared_memory_size(pkg, False, False, None, "config"))
-    except (InvalidSharedMemoryValueError, TypeError, AttributeError) as error:
-        raise PackagingError(f"pkg.json resources.sharedMemory: {error}Expected a size such as 1Gi, 512Mi or 2GB") \
-            from error
+    except (InvalidSharedMemoryValueError, TypeError, AttributeError, ValueError) as error:
+        reason = str(error).strip().rstrip(".")  # holoscan-cli's own messages end with ". "
+        raise PackagingError(f"pkg.json resources.sharedMemory: {reason}. Expected a size such as 1Gi, 512Mi or "
+                             "2GB") from error
 
 
 def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str, Any]) -> list[str]:
