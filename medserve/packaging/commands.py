@@ -19,10 +19,10 @@ def _package(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from medserve.packaging.build import PackageRequest, package
-    from medserve.packaging.registry import push, registry_reference
+    from medserve.packaging.registry import push, push_destination
 
     if args.push:
-        registry_reference(args.push)  # before minutes of building, not after
+        push_destination(args.push)  # before minutes of building, not after
     request = PackageRequest(
         application=args.application, config=args.config, tag=args.tag, models=args.models,
         platform=args.platform, base_image=args.base_image, builder=args.builder, wheel_dir=args.wheel_dir,

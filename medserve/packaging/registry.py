@@ -82,6 +82,30 @@ def registry_reference(reference: str) -> tuple[str, str]:
     return host, reference
 
 
+# The distribution spec's reference grammar for what follows the registry: lowercase path components, then an
+# optional tag (a digest names content that exists already: it cannot be a destination).
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_PUSH_REPOSITORY = re.compile(rf"^{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*$")
+_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
+
+
+def push_destination(reference: str) -> tuple[str, str]:
+    """`registry_reference` of a push destination whose repository and tag the registry will take (checked before
+    a build that would push, so that it fails at once rather than after the build)."""
+    host, reference = registry_reference(reference)
+    expected = "expected HOST[:PORT]/REPO[:TAG] with a lowercase REPO"
+    if "@" in reference:
+        raise PackagingError(f"push destination {reference!r} names a digest, which cannot be pushed to; {expected}")
+    repository, _, tag = reference[len(host) + 1:].partition(":")
+    if not _PUSH_REPOSITORY.match(repository):
+        raise PackagingError(f"push destination {reference!r}: repository {repository!r} is not a valid name "
+                             f"(lowercase letters, digits and . _ - separators, / between parts); {expected}")
+    if ":" in reference[len(host) + 1:] and not _TAG.match(tag):
+        raise PackagingError(f"push destination {reference!r}: tag {tag!r} is not valid (up to 128 letters, "
+                             f"digits, '_', '.', '-', not starting with '.' or '-'); {expected}")
+    return host, reference
+
+
 def _classify(error: subprocess.CompletedProcess, host: str, action: str,
               credentials: Credentials | None) -> PackagingError:
     text = (error.stderr or "") + (error.stdout or "")
@@ -98,7 +122,7 @@ def _classify(error: subprocess.CompletedProcess, host: str, action: str,
 
 def push(image: str, destination: str, engine_choice: str = "auto", timeout: float = 1800) -> str:
     """Push `image` to `destination`; returns the manifest digest the registry now serves."""
-    host, reference = registry_reference(destination)
+    host, reference = push_destination(destination)
     tool = engine.pick(engine_choice, "buildah")
     credentials = credentials_from_env(host)
     with tempfile.TemporaryDirectory(prefix="medserve-push-") as temp, auth_file(host, credentials) as (auth, fds):

@@ -429,8 +429,16 @@ def test_files_only_their_owner_may_read_are_readable_in_the_image(tmp_path: Pat
         assert path.stat().st_mode & wanted == wanted, (path, oct(path.stat().st_mode))
 
 
+PUSH_CASES = {
+    "push without registry": ("bundle-seg:0.1.0", "push destination 'bundle-seg:0.1.0' must name a registry"),
+    "push to an uppercase repository": ("127.0.0.1:5999/Review/X:1", "repository 'Review/X' is not a valid name"),
+    "push to a digest": ("ghcr.io/org/seg@sha256:" + "0" * 64, "names a digest, which cannot be pushed to"),
+    "push with a bad tag": ("ghcr.io/org/seg:.1", "tag '.1' is not valid"),
+}
+
+
 @pytest.mark.parametrize("case", ["latin-1 app.yaml", "latin-1 requirements", "symlink loop", "models not a folder",
-                                  "push without registry"])
+                                  *PUSH_CASES])
 def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused before any build, in one line naming the file; --push's destination is checked before the build
@@ -444,7 +452,7 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
                 "latin-1 requirements": f"{app / 'requirements.txt'}: cannot be read as text",
                 "symlink loop": f"{app / 'up'} is a symlink back up the tree it is in (a loop)",
                 "models not a folder": "models path /dev/null is neither a file nor a folder",
-                "push without registry": "push destination 'bundle-seg:0.1.0' must name a registry"}[case]
+                **{name: message for name, (_, message) in PUSH_CASES.items()}}[case]
     if case == "latin-1 app.yaml":
         config.write_bytes(config.read_bytes() + "# Résumé\n".encode("latin-1"))
     elif case == "latin-1 requirements":
@@ -455,7 +463,7 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
     elif case == "models not a folder":
         args += ["-m", "/dev/null"]
     else:
-        args += ["--push", "bundle-seg:0.1.0"]
+        args += ["--push", PUSH_CASES[case][0]]
         monkeypatch.setattr(build, "package", lambda *a, **k: pytest.fail("built before the destination was checked"))
     monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "buildah")  # nothing gets as far as a build
     monkeypatch.setattr(engine, "run_build", lambda *a, **k: pytest.fail("a build was started"), raising=False)
