@@ -408,6 +408,27 @@ def test_an_interrupted_inference_exits_128_plus_the_signal_leaving_no_output_fo
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.parametrize("sent", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_during_start_up_leaves_no_folder(tmp_path, demo_study, sent):
+    """A signal that comes while the app still imports (held until it is ready to clean up) ends the run with
+    128 + the signal and one line, and removes the output folders it made: the clean-up waits until they exist.
+    The signal is sent blocked before the app starts, the earliest a Ctrl-C can come once its handling is set."""
+    out = tmp_path / "new" / "a" / "b"
+
+    def start_with_the_signal_pending() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {sent})
+        os.kill(os.getpid(), sent)
+
+    command = ["bash", "-c", f"ulimit -s 32768; exec {sys.executable} {APP} -i {demo_study[0]} -o {out} "
+                             f"-m {DEMO_BUNDLE} --device cpu"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=240,
+                               preexec_fn=start_with_the_signal_pending)
+    assert completed.returncode == 128 + sent, completed.stderr
+    assert completed.stderr.splitlines() == [f"error: interrupted by {sent.name}; this run's outputs were removed"], \
+        completed.stderr
+    assert not (tmp_path / "new").exists()
+
+
 def test_an_interrupt_after_the_results_were_written_removes_them(tmp_path, demo_study):
     out = tmp_path / "out"
     out.mkdir()

@@ -137,7 +137,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     output = Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
     created = [folder for folder in (output, *output.absolute().parents) if not folder.exists()]  # deepest first
-    watch_stop_signals(functools.partial(_interrupted, output, created))
     try:
         output.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=output).close()  # writable by us, whatever the permission bits say
@@ -150,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: output folder {output}: cannot be {'written to' if output.is_dir() else 'created'} "
               f"({error.strerror or error}); expected a folder we can write to", file=sys.stderr)
         return 2
+    # Only now: a Ctrl-C that came during the imports (held, as the signals are blocked) must not clean up while
+    # the folders above are still being made.
+    watch_stop_signals(functools.partial(_interrupted, output, created))
     # The SDK reads the paths from the environment; its own argv parser must not see our flags.
     sdk_log_level = {-1: "ERROR", 0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
     app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules,
