@@ -34,7 +34,7 @@ class SeriesSelectorOperator(Operator):
 
     Named outputs (connect either or both; no back-pressure, as the stock selector's: one message per run):
         selected_series: list of `medserve.dicom.select.SelectedSeries`, in selection order.
-        study_selected_series_list: with `sdk_selection=True`, the same selection as the SDK's
+        study_selected_series_list: declared only with `sdk_selection=True`: the same selection as the SDK's
             List[StudySelectedSeries] (pixel data deferred: read from the files on access), for stock operators
             such as DICOMSeriesToVolumeOperator or the stock SEG writer.
     """
@@ -51,7 +51,8 @@ class SeriesSelectorOperator(Operator):
     def setup(self, spec: OperatorSpec):
         spec.input("study_index")
         spec.output("selected_series").condition(ConditionType.NONE)
-        spec.output("study_selected_series_list").condition(ConditionType.NONE)
+        if self.sdk_selection:  # undeclared otherwise, so that a graph wiring it fails when composed, not stalls
+            spec.output("study_selected_series_list").condition(ConditionType.NONE)
 
     @reports_failures
     def compute(self, op_input, op_output, context):

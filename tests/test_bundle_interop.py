@@ -345,7 +345,7 @@ class OurFrontStockWriter(Application):
                                          segmented_property_type=codes.SCT.Tissue, algorithm_name="threshold",
                                          algorithm_version="1")
         loader = DicomLoaderOperator(self, CountCondition(self, 1), input_folder=input_folder, name="loader")
-        selector = SeriesSelectorOperator(self, sdk_selection=True, name="selector")
+        selector = SeriesSelectorOperator(self, sdk_selection=composition == "stock_writer", name="selector")
         to_volume = SeriesToVolumeOperator(self, name="to_volume")
         inference = BundleInferenceOperator(self, predictor=predictor, name="inference")
         writer = DICOMSegmentationWriterOperator(self, segment_descriptions=[description],
@@ -357,12 +357,29 @@ class OurFrontStockWriter(Application):
         self.add_flow(selector, writer, {("study_selected_series_list", "study_selected_series_list")})
 
 
-application = {"stock_front": StockFrontOurBack, "stock_writer": OurFrontStockWriter}[composition]
+application = {"stock_front": StockFrontOurBack, "stock_writer": OurFrontStockWriter,
+               "stock_writer_without_sdk_selection": OurFrontStockWriter}[composition]
 app = application([sys.executable, __file__, "--log-level", "WARN"])
 app.run()
 failure = run_record(app).failure
 sys.exit(f"error: {failure.message()}" if failure else 0)
 """
+
+
+def test_wiring_the_sdk_selection_without_asking_for_it_fails_when_composed(tmp_path, threshold_bundle):
+    """Our selector's `study_selected_series_list` exists only with `sdk_selection=True`: a graph that wires it
+    to the stock SEG writer without that fails at once, naming the port, instead of running without output."""
+    folder = write_series(tmp_path / "series", "axial", NON_SQUARE, shape=(4, 16, 16))
+    script = tmp_path / "mixed_app.py"
+    script.write_text(MIXED_APP)
+    out = tmp_path / "out"
+    command = (f"ulimit -s 32768; exec {sys.executable} {script} stock_writer_without_sdk_selection '{folder}' "
+               f"'{out}' '{threshold_bundle}'")
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode != 0, run.stdout + run.stderr
+    assert "study_selected_series_list" in run.stdout + run.stderr
+    assert not list(out.glob("*.dcm"))
 
 
 @pytest.mark.parametrize("composition", ["stock_front", "stock_writer"])
