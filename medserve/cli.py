@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from medserve.logs import configure_logging
 
-    configure_logging(args.verbose)
+    configure_logging(args.verbose or None)  # no -v: MEDSERVE_LOG_LEVEL may set the level
     try:
         return int(args.handler(args) or 0)
     except MedserveError as error:

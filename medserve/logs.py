@@ -31,11 +31,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(verbosity: int = 0) -> None:
-    """WARNING by default, INFO with -v, DEBUG with -vv, ERROR with -1 (errors only); MEDSERVE_LOG_FORMAT=json
-    for machine-readable logs."""
-    level = {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
-    level = getattr(logging, os.environ.get("MEDSERVE_LOG_LEVEL", "").upper(), level)
+def log_level(verbosity: int | None) -> int:
+    """INFO for -v, DEBUG for -vv, ERROR for -1 (errors only), WARNING for 0. None (no flag given): the level
+    MEDSERVE_LOG_LEVEL names (a container's default), else WARNING; a flag wins over the variable."""
+    if verbosity is None:
+        named = os.environ.get("MEDSERVE_LOG_LEVEL", "").strip().upper()
+        return logging.getLevelNamesMapping().get(named, logging.WARNING)
+    return {-1: logging.ERROR, 0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
+
+
+def sdk_log_level(level: int) -> str:
+    """The App SDK's --log-level for a logging level."""
+    if level >= logging.ERROR:
+        return "ERROR"
+    return "WARN" if level >= logging.WARNING else "INFO" if level >= logging.INFO else "DEBUG"
+
+
+def configure_logging(verbosity: int | None = None) -> int:
+    """Set up logging at `log_level(verbosity)` and return that level; MEDSERVE_LOG_FORMAT=json for
+    machine-readable logs. Holoscan's own logger follows (HOLOSCAN_LOG_LEVEL: set outright for a flag, kept
+    when set and no flag was given)."""
+    level = log_level(verbosity)
     handler = logging.StreamHandler(sys.stderr)
     if os.environ.get("MEDSERVE_LOG_FORMAT", "text") == "json":
         handler.setFormatter(JsonFormatter())
@@ -51,4 +67,9 @@ def configure_logging(verbosity: int = 0) -> None:
     # Libraries' deprecation chatter (MONAI, Holoscan) shows only when asked for with -v.
     logging.captureWarnings(True)
     logging.getLogger("py.warnings").setLevel(logging.WARNING if level <= logging.INFO else logging.ERROR)
-    os.environ.setdefault("HOLOSCAN_LOG_LEVEL", {logging.DEBUG: "DEBUG", logging.INFO: "INFO"}.get(level, "ERROR"))
+    holoscan_level = "DEBUG" if level <= logging.DEBUG else "INFO" if level <= logging.INFO else "ERROR"
+    if verbosity is None:
+        os.environ.setdefault("HOLOSCAN_LOG_LEVEL", holoscan_level)
+    else:
+        os.environ["HOLOSCAN_LOG_LEVEL"] = holoscan_level
+    return level

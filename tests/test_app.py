@@ -486,6 +486,12 @@ def test_reruns_into_an_output_folder_inside_the_input(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["seg.dcm"]  # no stale labels.nii.gz beside it
     quiet = run_app("-i", study, "-o", out, "-m", bundle, "-l", "error")
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    # The environment sets the level when no -l is given (a container's default); an explicit -l wins over it.
+    chatty_env = {"MEDSERVE_LOG_LEVEL": "INFO", "HOLOSCAN_LOG_LEVEL": "INFO"}
+    flag_wins = run_app("-i", study, "-o", out, "-m", bundle, "-l", "error", env=chatty_env)
+    assert flag_wins.returncode == 0 and flag_wins.stderr == "", flag_wins.stderr
+    from_env = run_app("-i", study, "-o", out, "-m", bundle, env={"MEDSERVE_LOG_LEVEL": "error"})
+    assert from_env.returncode == 0 and from_env.stderr == "", from_env.stderr  # no README.txt warning either
     unknown = run_app("-i", study, "-o", out, "-m", bundle, "-l", "verbose")
     assert unknown.returncode == 2 and "invalid choice: 'VERBOSE'" in unknown.stderr, unknown.stderr
     # -o the same folder as -i after a run killed outright (SIGKILL) while writing: its partial SEG, a cut DICOM

@@ -29,7 +29,7 @@ from monai.deploy.conditions import CountCondition  # noqa: E402
 
 from medserve.bundle.predictor import BundlePredictor  # noqa: E402
 from medserve.errors import BundleError  # noqa: E402
-from medserve.logs import configure_logging  # noqa: E402
+from medserve.logs import configure_logging, sdk_log_level  # noqa: E402
 from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
 from medserve.writers.files import partial_path, stop_publishing  # noqa: E402
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator,  # noqa: E402
@@ -56,7 +56,7 @@ class BundleSegApp(Application):
 
     def __init__(self, *args, rules: str | None = None, all_matched: bool = False,
                  sort_by_sop_instance_count: bool = False, device: str | None = None, nifti: bool = True,
-                 verbosity: int = 0, **kwargs):
+                 verbosity: int | None = None, **kwargs):
         self.rules = rules
         self.all_matched = all_matched
         self.sort_by_sop_instance_count = sort_by_sop_instance_count
@@ -112,15 +112,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="with --all-matched, the matches largest first (so the largest one is segmented)")
     parser.add_argument("--device", help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--no-nifti", dest="nifti", action="store_false", help="write the DICOM SEG only")
-    parser.add_argument("-l", "--log-level", type=str.upper, default="WARNING", choices=sorted(_VERBOSITY),
-                        help="DEBUG, INFO, WARNING (default) or ERROR")
+    parser.add_argument("-l", "--log-level", type=str.upper, choices=sorted(_VERBOSITY),
+                        help="DEBUG, INFO, WARNING (default, or $MEDSERVE_LOG_LEVEL) or ERROR")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    verbosity = _VERBOSITY[args.log_level]
-    configure_logging(verbosity)
+    verbosity = None if args.log_level is None else _VERBOSITY[args.log_level]
+    level = configure_logging(verbosity)
     if args.sort_by_sop_instance_count and not args.all_matched:
         print("error: --sort-by-sop-instance-count orders the matches of --all-matched; pass both (as the stock "
               "selector's sort_by_sop_instance_count applies only with all_matched)", file=sys.stderr)
@@ -153,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     # the folders above are still being made.
     watch_stop_signals(functools.partial(_interrupted, output, created))
     # The SDK reads the paths from the environment; its own argv parser must not see our flags.
-    sdk_log_level = {-1: "ERROR", 0: "WARN", 1: "INFO"}.get(verbosity, "DEBUG")
-    app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level], rules=args.rules,
+    app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level(level)], rules=args.rules,
                        all_matched=args.all_matched, sort_by_sop_instance_count=args.sort_by_sop_instance_count,
                        device=args.device, nifti=args.nifti, verbosity=verbosity)
     record = run_record(app)
