@@ -6,17 +6,15 @@ from pathlib import Path
 from typing import Any
 
 from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
-from monai.deploy.core.domain.dicom_series import DICOMSeries
 from monai.deploy.core.domain.dicom_series_selection import SelectedSeries as SdkSelectedSeries
 from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
-from monai.deploy.core.domain.dicom_study import DICOMStudy
-from monai.deploy.operators.dicom_data_loader_operator import DICOMDataLoaderOperator
 
 from medserve.dicom.select import SelectedSeries, load_rules, select_series
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.volume import ordered_instances
 from medserve.errors import VolumeError
 from operators.failures import reports_failures
+from operators.sdk_domain import sdk_series, sdk_study
 
 _DEFER_BYTES = 4096
 
@@ -65,22 +63,16 @@ class SeriesSelectorOperator(Operator):
 
 def as_sdk_selection(selected: list[SelectedSeries]) -> list[StudySelectedSeries]:
     """Our selection as the stock loader + selector would have built it, attributes filled by the stock code."""
-    populate = DICOMDataLoaderOperator  # its attribute-copying methods use no instance state
     studies: dict[str, StudySelectedSeries] = {}
     for choice in selected:
         series = choice.series
         # Stock operators read pixel_array from the datasets: defer it, so it comes from disk on access.
         datasets = [read_dataset(i, defer_size=_DEFER_BYTES) for i in _slice_order_if_any(series)]
         if series.study_uid not in studies:
-            study = DICOMStudy(series.study_uid)
-            populate.populate_study_attributes(None, study, datasets[0])
-            studies[series.study_uid] = StudySelectedSeries(study)
-        sdk_series = DICOMSeries(series.series_uid)
-        for dataset in datasets:
-            sdk_series.add_sop_instance(dataset)
-        populate.populate_series_attributes(None, sdk_series, datasets[0])
-        studies[series.study_uid].study.add_series(sdk_series)
-        studies[series.study_uid].add_selected_series(SdkSelectedSeries(choice.name, sdk_series, None))
+            studies[series.study_uid] = StudySelectedSeries(sdk_study(series.study_uid, datasets[0]))
+        selected_series = sdk_series(series.series_uid, datasets)
+        studies[series.study_uid].study.add_series(selected_series)
+        studies[series.study_uid].add_selected_series(SdkSelectedSeries(choice.name, selected_series, None))
     return list(studies.values())
 
 

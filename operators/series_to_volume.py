@@ -12,6 +12,7 @@ from monai.deploy.core.domain.image import Image
 from medserve.dicom.index import Series
 from medserve.dicom.volume import load_series, ras_affine
 from operators.failures import reports_failures
+from operators.sdk_domain import stock_image_metadata
 
 log = logging.getLogger("medserve.app")
 
@@ -50,17 +51,10 @@ class SeriesToVolumeOperator(Operator):
 
 
 def sdk_image(volume: hd.Volume, series: Series, selection_name: str) -> Image:
-    """The metadata keys of the stock operator's Image, so that stock consumers find what they read."""
-    header = series.header
+    """The metadata keys of the stock operator's Image (the study and series attributes, the geometry), so that
+    stock consumers and code written for the stock Image find what they read."""
     slice_vector, column_vector, row_vector = (volume.affine[:3, i] for i in range(3))
-    metadata = {
-        "SeriesInstanceUID": series.series_uid,
-        "StudyInstanceUID": series.study_uid,
-        "Modality": series.modality,
-        "SeriesDescription": series.description,
-        "SeriesDate": header.get("SeriesDate"),
-        "SeriesNumber": header.get("SeriesNumber"),
-        "PatientPosition": header.get("PatientPosition"),
+    geometry = {
         "row_pixel_spacing": float(np.linalg.norm(column_vector)),
         "col_pixel_spacing": float(np.linalg.norm(row_vector)),
         "depth_pixel_spacing": float(np.linalg.norm(slice_vector)),
@@ -73,4 +67,4 @@ def sdk_image(volume: hd.Volume, series: Series, selection_name: str) -> Image:
         "space": "RAS",
         "selection_name": selection_name,
     }
-    return Image(volume.array, metadata={k: v for k, v in metadata.items() if v is not None})
+    return Image(volume.array, metadata={**stock_image_metadata(series), **geometry})

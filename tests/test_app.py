@@ -155,6 +155,15 @@ def test_stock_sdk_operators_read_our_selection(tmp_path):
         np.testing.assert_allclose(metadata[key], stock.metadata()[key], atol=1e-6, err_msg=key)
     # The affine is the true geometry: the stock's scales the in-plane axes with each other's spacing.
     np.testing.assert_allclose(metadata["affine"], ras_affine(ours), atol=1e-6)
+    # Every other key of the stock Image (study and series attributes: StudyDate, AccessionNumber, ...) is there
+    # with the stock value.
+    assert set(stock.metadata()) <= set(metadata), set(stock.metadata()) - set(metadata)
+    assert {"StudyDate", "StudyTime", "AccessionNumber", "SeriesTime", "PatientPosition"} <= set(metadata)
+    geometry_keys = {"dicom_affine_transform", "nifti_affine_transform", "affine", "row_pixel_spacing",
+                     "col_pixel_spacing", "depth_pixel_spacing", "row_direction_cosine", "col_direction_cosine",
+                     "depth_direction_cosine"}
+    for key in set(stock.metadata()) - geometry_keys:
+        assert metadata[key] == stock.metadata()[key], key
 
 
 def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_path, threshold_bundle):
