@@ -401,3 +401,17 @@ def test_writers_refuse_a_label_map_that_does_not_fit_their_source(tmp_path):
                                          r"series \(images, rows, columns\) has \(16, 32, 32\)$"):
         build_seg(label_map[1:], volume.source_datasets, LABELS, Algorithm("demo_organ_seg", "0.1.0"))
     assert list(tmp_path.glob("labels*")) == []
+
+
+def test_the_summary_counts_labels_that_share_a_name_apart() -> None:
+    """Two labels named alike are two segments in the SEG; the summary and the server's segment counts keep both,
+    each named with its value."""
+    from medserve.pipeline import segment_counts, summary_line
+
+    label_map = np.zeros((2, 4, 4), np.uint16)
+    label_map[0, :2] = 1
+    label_map[1, :1] = 2
+    label_map[1, 3] = 3
+    counts = segment_counts(label_map, {1: "kidney", 2: "kidney", 3: "liver"})
+    assert counts == {"kidney (label 1)": 8, "kidney (label 2)": 4, "liver": 4}
+    assert summary_line(counts, 1.0).startswith("3 segment(s) found (kidney (label 1): 8 voxels, ")
