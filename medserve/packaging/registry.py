@@ -2,7 +2,7 @@
 
 Credentials come from the environment and reach the tool through an in-memory auth file (memfd), so they are
 never written to disk and never appear on a command line:
-  MEDSERVE_REGISTRY_USER / MEDSERVE_REGISTRY_PASSWORD  any registry
+  MEDSERVE_REGISTRY_USER / MEDSERVE_REGISTRY_PASSWORD  any registry, or only MEDSERVE_REGISTRY_HOST when set
   GHCR_USER / GHCR_TOKEN (or GITHUB_ACTOR / GITHUB_TOKEN in GitHub Actions)  ghcr.io
 Loopback registries (localhost, 127.0.0.0/8, ::1) are spoken to over plain HTTP without extra flags.
 """
@@ -41,9 +41,11 @@ class Credentials:
 
 def credentials_from_env(host: str, env: dict[str, str] | None = None) -> Credentials | None:
     """GHCR_* (or GITHUB_*) for ghcr.io, which never receives MEDSERVE_REGISTRY_* when they are set; else
-    MEDSERVE_REGISTRY_*."""
+    MEDSERVE_REGISTRY_*, for the registry MEDSERVE_REGISTRY_HOST names (HOST or HOST:PORT) when it is set, so
+    that pulling an image someone else named (`medserve run`, a served MAP) cannot hand them to their registry."""
     env = dict(os.environ) if env is None else env
-    pairs = [("MEDSERVE_REGISTRY_USER", "MEDSERVE_REGISTRY_PASSWORD")]
+    scope = env.get("MEDSERVE_REGISTRY_HOST", "").strip().lower()
+    pairs = [("MEDSERVE_REGISTRY_USER", "MEDSERVE_REGISTRY_PASSWORD")] if not scope or host.lower() == scope else []
     if host == "ghcr.io":
         pairs = [("GHCR_USER", "GHCR_TOKEN"), ("GITHUB_ACTOR", "GITHUB_TOKEN"), *pairs]
     for user_var, token_var in pairs:

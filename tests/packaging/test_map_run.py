@@ -163,6 +163,11 @@ def test_credentials_go_only_to_their_registry() -> None:
     assert ghcr is not None and (ghcr.username, ghcr.source) == ("octo", "GHCR_USER/GHCR_TOKEN")
     corp = registry.credentials_from_env("registry.corp:5000", both)
     assert corp is not None and corp.username == "corp"
+    scoped = {**both, "MEDSERVE_REGISTRY_HOST": "Registry.Corp:5000"}
+    corp = registry.credentials_from_env("registry.corp:5000", scoped)
+    assert corp is not None and corp.username == "corp"
+    for elsewhere in ("registry.corp", "evil.example:5000", "127.0.0.1:5873"):
+        assert registry.credentials_from_env(elsewhere, scoped) is None, elsewhere
 
 
 def test_a_path_with_a_colon_is_refused_before_the_engine(no_engine_calls: list, tmp_path: Path,
