@@ -4,6 +4,7 @@ Credentials come from the environment and reach the tool through an in-memory au
 never written to disk and never appear on a command line:
   MEDSERVE_REGISTRY_USER / MEDSERVE_REGISTRY_PASSWORD  any registry, or only MEDSERVE_REGISTRY_HOST when set
   GHCR_USER / GHCR_TOKEN (or GITHUB_ACTOR / GITHUB_TOKEN in GitHub Actions)  ghcr.io
+A Docker engine's pull reads a config folder instead: it gets one in memory (/dev/shm), removed after the pull.
 Loopback registries (localhost, 127.0.0.0/8, ::1) are spoken to over plain HTTP without extra flags.
 """
 
@@ -68,6 +69,23 @@ def auth_file(host: str, credentials: Credentials | None) -> Iterator[tuple[list
         yield ["--authfile", f"/proc/self/fd/{fd}"], (fd,)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def docker_config(host: str, credentials: Credentials | None) -> Iterator[list[str]]:
+    """`docker --config DIR` arguments whose config.json holds `credentials` for `host` (docker reads a config
+    folder, not a file descriptor): a private folder in memory (/dev/shm) where there is one, removed at once.
+    Without credentials, docker's own login applies."""
+    if credentials is None:
+        yield []
+        return
+    token = base64.b64encode(f"{credentials.username}:{credentials.password}".encode()).decode()
+    memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(prefix="medserve-docker-", dir=memory) as folder:
+        config = Path(folder) / "config.json"
+        config.touch(mode=0o600)
+        config.write_text(json.dumps({"auths": {host: {"auth": token}}}))
+        yield ["--config", folder]
 
 
 def _tls_args(host: str) -> list[str]:
@@ -167,9 +185,10 @@ def pull(reference: str, engine_choice: str = "auto") -> str:
     host, reference = registry_reference(reference)
     tool = engine.pick(engine_choice, "podman")
     credentials = credentials_from_env(host)
-    with auth_file(host, credentials) as (auth, fds):
+    with auth_file(host, credentials) as (auth, fds), \
+            docker_config(host, credentials if tool == "docker" else None) as config:
         if tool == "docker":
-            argv = ["docker", "pull", reference]
+            argv = ["docker", *config, "pull", reference]
             fds = ()
         else:
             argv = [*engine.base_command("podman"), "pull", "-q", *auth, *_tls_args(host), reference]

@@ -3,8 +3,12 @@ requests it refuses before touching the engine."""
 
 from __future__ import annotations
 
+import base64
 import inspect as pyinspect
+import json
+import os
 import resource
+import sys
 from pathlib import Path
 
 import pytest
@@ -181,3 +185,31 @@ def test_a_path_with_a_colon_is_refused_before_the_engine(no_engine_calls: list,
     assert err == f"error: -i {study}: the engines' -v SOURCE:TARGET cannot mount a path holding ':'; rename it, " \
                   "or copy it to a path without one\n"
     assert no_engine_calls == [] and not (tmp_path / "out").exists()
+
+
+def test_a_docker_pull_gets_the_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a Docker engine (none runs on these machines: a stand-in `docker` records what it is given), the
+    pull receives MEDSERVE_REGISTRY_* through `--config`, and the folder is gone afterwards."""
+    record = tmp_path / "record.json"
+    shim = tmp_path / "bin" / "docker"
+    shim.parent.mkdir()
+    shim.write_text(f"""#!{sys.executable}
+import json, pathlib, sys
+args = sys.argv[1:]
+if args[:1] == ["info"]:
+    sys.exit(0)
+folder = args[args.index("--config") + 1] if "--config" in args else None
+config = json.loads((pathlib.Path(folder) / "config.json").read_text()) if folder else None
+pathlib.Path({str(record)!r}).write_text(json.dumps({{"args": args, "config": config, "folder": folder}}))
+print("sha256:1234")
+""")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("MEDSERVE_REGISTRY_USER", "alice")
+    monkeypatch.setenv("MEDSERVE_REGISTRY_PASSWORD", "s3cret")
+    assert registry.pull("registry.corp:5000/r/seg:1", "docker") == "sha256:1234"
+    seen = json.loads(record.read_text())
+    assert seen["args"][-2:] == ["pull", "registry.corp:5000/r/seg:1"]
+    assert base64.b64decode(seen["config"]["auths"]["registry.corp:5000"]["auth"]) == b"alice:s3cret"
+    assert not Path(seen["folder"]).exists()
+    assert "s3cret" not in " ".join(seen["args"])
