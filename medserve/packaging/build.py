@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -93,6 +94,24 @@ def _build_argv(builder: str, request: PackageRequest, containerfile: Path, cont
     return [*argv, "-f", str(containerfile), "-t", request.tag, str(context)]
 
 
+def _check_local_base_image(builder: str, image: str, platform: str) -> None:
+    """A base image that lives only in the local store (`localhost/...` or a bare name) must be there and be
+    built for the platform: otherwise the builder goes looking for it on a registry called `localhost` and
+    reports a refused connection."""
+    if engine.registry_host(image) not in (None, "localhost"):
+        return  # a registry image: the builder pulls it, for the platform asked
+    argv = [*engine.base_command("buildah"), "inspect", "--type", "image", "--format", "{{.OCIv1.Architecture}}",
+            image] if builder == "buildah" else ["docker", "image", "inspect", "--format", "{{.Architecture}}", image]
+    found = subprocess.run(argv, capture_output=True, text=True)
+    if found.returncode != 0:
+        raise PackagingError(f"--base-image {image} is not in the local store; build it with `python -m "
+                             "medserve.packaging.base`, or name a registry image")
+    wanted = PLATFORMS[platform][0].split("/", 1)[1]
+    if found.stdout.strip() != wanted:
+        raise PackagingError(f"--base-image {image} is linux/{found.stdout.strip()}; --platform {platform} builds "
+                             f"linux/{wanted}: give a base image for that architecture")
+
+
 def _image_id(builder: str, tag: str) -> str:
     argv = [*engine.base_command("buildah"), "images", "--format", "{{.ID}}", "--noheading", tag] \
         if builder == "buildah" else ["docker", "image", "inspect", "--format", "{{.Id}}", tag]
@@ -102,6 +121,7 @@ def _image_id(builder: str, tag: str) -> str:
 def package(request: PackageRequest, progress: ProgressCallback | None = None) -> BuildResult:
     inputs = prepare(request)
     builder = engine.pick(request.builder, "buildah")
+    _check_local_base_image(builder, inputs.base_image, request.platform)
     logger.info("building %s (%s variant) with %s from %s", request.tag, inputs.variant, builder,
                 inputs.base_image)
     started = time.monotonic()

@@ -346,3 +346,20 @@ def test_a_failed_build_leaves_no_working_container(base_image: str, toy: dict[s
                                base_image=base_image, builder="buildah", wheel_dir=toy["wheels"], variant="cpu",
                                uid=0, gid=0))
     assert working_containers() == before
+
+
+@pytest.mark.parametrize(("platform", "base", "message"), [
+    ("sbsa", None, "is linux/amd64; --platform sbsa builds linux/arm64"),
+    ("x86_64", f"localhost/medserve-test-absent-base:{SESSION}", "is not in the local store"),
+])
+def test_a_local_base_image_that_cannot_serve_is_refused_before_the_build(base_image: str, toy: dict[str, Path],
+                                                                          platform: str, base: str | None,
+                                                                          message: str) -> None:
+    """Rather than the builder's search for it on a registry named `localhost` (connection refused, after
+    retries)."""
+    started = time.monotonic()
+    with pytest.raises(PackagingError, match=message):
+        package(PackageRequest(toy["app"], toy["config"], f"{TAG}-refused", models=toy["models"],
+                               base_image=base or base_image, builder="buildah", wheel_dir=toy["wheels"],
+                               variant="cpu", platform=platform))
+    assert time.monotonic() - started < 10
