@@ -66,6 +66,9 @@ def prepare(request: PackageRequest) -> BuildInputs:
         raise PackagingError(f"--wheel-dir {request.wheel_dir}: no .whl files there")
     if request.docs is not None and not Path(request.docs).is_dir():
         raise PackagingError(f"--docs {request.docs}: not a directory")
+    for flag, value in (("--uid", request.uid), ("--gid", request.gid)):
+        if not 1 <= value <= 65533:  # 0 is root's, which the user set-up cannot take over; 65534 is nobody's
+            raise PackagingError(f"{flag} {value}: expected a number from 1 to 65533 for the image's holoscan user")
     if request.variant not in {"auto", "cpu", "cuda"}:
         raise PackagingError(f"--variant {request.variant}: expected auto, cpu or cuda")
     variant = request.variant if request.variant != "auto" else ("cuda" if config.gpus > 0 else "cpu")

@@ -435,10 +435,12 @@ PUSH_CASES = {
     "push to a digest": ("ghcr.io/org/seg@sha256:" + "0" * 64, "names a digest, which cannot be pushed to"),
     "push with a bad tag": ("ghcr.io/org/seg:.1", "tag '.1' is not valid"),
 }
+USER_CASES = {"uid 0": (["--uid", "0"], "--uid 0: expected a number from 1 to 65533"),
+              "negative gid": (["--gid", "-5"], "--gid -5: expected a number from 1 to 65533")}
 
 
 @pytest.mark.parametrize("case", ["latin-1 app.yaml", "latin-1 requirements", "symlink loop", "models not a folder",
-                                  *PUSH_CASES])
+                                  *PUSH_CASES, *USER_CASES])
 def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused before any build, in one line naming the file; --push's destination is checked before the build
@@ -452,7 +454,7 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
                 "latin-1 requirements": f"{app / 'requirements.txt'}: cannot be read as text",
                 "symlink loop": f"{app / 'up'} is a symlink back up the tree it is in (a loop)",
                 "models not a folder": "models path /dev/null is neither a file nor a folder",
-                **{name: message for name, (_, message) in PUSH_CASES.items()}}[case]
+                **{name: message for name, (_, message) in {**PUSH_CASES, **USER_CASES}.items()}}[case]
     if case == "latin-1 app.yaml":
         config.write_bytes(config.read_bytes() + "# Résumé\n".encode("latin-1"))
     elif case == "latin-1 requirements":
@@ -462,6 +464,8 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
         (app / "up").symlink_to(app, target_is_directory=True)
     elif case == "models not a folder":
         args += ["-m", "/dev/null"]
+    elif case in USER_CASES:
+        args += USER_CASES[case][0]
     else:
         args += ["--push", PUSH_CASES[case][0]]
         monkeypatch.setattr(build, "package", lambda *a, **k: pytest.fail("built before the destination was checked"))

@@ -4,6 +4,7 @@ inspected, run with podman (runc), pushed to and pulled from a loopback registry
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -330,9 +331,9 @@ def test_ghcr_credentials_from_env() -> None:
     assert actions is not None and actions.source == "GITHUB_ACTOR/GITHUB_TOKEN"
 
 
-def test_a_failed_build_leaves_no_working_container(base_image: str, toy: dict[str, Path]) -> None:
-    """A build whose step fails (here the official user set-up, which cannot take UID 0: root exists) leaves no
-    buildah working container behind."""
+def test_a_failed_build_leaves_no_working_container(base_image: str, toy: dict[str, Path], tmp_path: Path) -> None:
+    """A build whose step fails (here pip: a requirement that is not among the wheels) leaves no buildah working
+    container behind."""
     def working_containers() -> list[str]:
         from medserve.packaging.engine import base_command
 
@@ -340,11 +341,14 @@ def test_a_failed_build_leaves_no_working_container(base_image: str, toy: dict[s
         assert listed.returncode == 0, listed.stderr
         return listed.stdout.split()
 
+    app = tmp_path / "app"
+    shutil.copytree(toy["app"], app)
+    with (app / "requirements.txt").open("a") as requirements:
+        requirements.write("medserve-test-no-such-package==1.0\n")
     before = working_containers()
-    with pytest.raises(PackagingError):
-        package(PackageRequest(toy["app"], toy["config"], f"{TAG}-failed", models=toy["models"],
-                               base_image=base_image, builder="buildah", wheel_dir=toy["wheels"], variant="cpu",
-                               uid=0, gid=0))
+    with pytest.raises(PackagingError, match="building"):
+        package(PackageRequest(app, toy["config"], f"{TAG}-failed", models=toy["models"], base_image=base_image,
+                               builder="buildah", wheel_dir=toy["wheels"], variant="cpu"))
     assert working_containers() == before
 
 
