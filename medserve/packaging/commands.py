@@ -109,8 +109,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("image")
     p.add_argument("-i", "--input", type=Path, help="input folder, mounted at the manifest's input path")
     p.add_argument("-o", "--output", type=Path, help="output folder (created if missing)")
-    p.add_argument("--gpus", help="'all', a number of GPUs, or device indices ('0,2', 'device=1'); default: what "
-                   "pkg.json asks for, if the host has GPUs")
+    p.add_argument("--gpus", help="'all', a number of GPUs (0: none), or device indices ('0,2', 'device=1'); "
+                   "default: what pkg.json asks for, if the host has GPUs")
     p.add_argument("--config", type=Path, help="replace the packaged app.yaml")
     p.add_argument("--engine", choices=["auto", "podman", "docker"], default="auto")
     # nargs="+" made optional, not "*": argparse would take an empty "*" right after IMAGE and then refuse

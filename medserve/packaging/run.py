@@ -151,11 +151,12 @@ def _mapped(path: str, working_dir: str) -> str:
 
 
 def wanted_gpus(value: str | None) -> int | str | tuple[int, ...] | None:
-    """--gpus: None (what pkg.json asks for), "all", a number of GPUs >= 1 (the first ones, as docker's
-    `--gpus N`), or a device list: "0,2" or "device=1" (the indices, as docker's `--gpus device=...`)."""
+    """--gpus: None (what pkg.json asks for), "all", a number of GPUs (the first ones, as docker's `--gpus N`; 0
+    runs on the CPU on a GPU host), or a device list: "0,2" or "device=1" (the indices, as docker's
+    `--gpus device=...`)."""
     if value is None or value == "all":
         return value
-    if value.isdigit() and int(value) >= 1:
+    if value.isascii() and value.isdigit():
         return int(value)
     listed = value.removeprefix("device=")
     indices = listed.split(",")
@@ -163,15 +164,15 @@ def wanted_gpus(value: str | None) -> int | str | tuple[int, ...] | None:
         if len(set(indices)) != len(indices):
             raise PackagingError(f"--gpus {value}: a device is listed twice")
         return tuple(int(i) for i in indices)
-    raise PackagingError(f"--gpus {value}: expected 'all', a number of GPUs (1, 2, ...) or device indices "
+    raise PackagingError(f"--gpus {value}: expected 'all', a number of GPUs (0, 1, 2, ...) or device indices "
                          "('0,2' or 'device=1')")
 
 
 def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | tuple[int, ...] | None) -> list[str]:
     asked = requested_gpus(pkg)
-    available = host_gpu_count()
-    if wanted is None and asked == 0:
+    if wanted == 0 or (wanted is None and asked == 0):
         return []
+    available = host_gpu_count()
     if available == 0:
         logger.warning("the package asks for %s GPU(s) and this host has none: running on CPU", wanted or asked)
         return []

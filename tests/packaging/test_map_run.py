@@ -73,7 +73,7 @@ def test_ulimits_without_cap_sys_resource_never_exceed_ours(monkeypatch: pytest.
                                  "nproc=32768:32768"]
 
 
-@pytest.mark.parametrize(("value", "expected"), [("0", "--gpus 0: expected 'all', a number of GPUs"),
+@pytest.mark.parametrize(("value", "expected"), [("-1", "--gpus -1: expected 'all', a number of GPUs"),
                                                   ("two", "--gpus two: expected"), ("0,x", "--gpus 0,x: expected"),
                                                   ("device=", "--gpus device=: expected"),
                                                   ("1,1", "--gpus 1,1: a device is listed twice")])
@@ -92,6 +92,9 @@ def test_gpu_count_on_a_gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
     podman = run_argv(RunRequest("img:1", None, None, gpus="all"), "podman", APP_JSON, PKG_JSON)
     assert [podman[i + 1] for i, arg in enumerate(podman) if arg == "--device"] == ["nvidia.com/gpu=0",
                                                                                     "nvidia.com/gpu=1"]
+    for tool in ("docker", "podman"):  # --gpus 0: the CPU, though the package asks for a GPU and the host has two
+        cpu = run_argv(RunRequest("img:1", None, None, gpus="0"), tool, APP_JSON, {"resources": {"gpu": 1}})
+        assert "--gpus" not in cpu and "--device" not in cpu, cpu
 
 
 def test_gpu_device_lists(monkeypatch: pytest.MonkeyPatch) -> None:
