@@ -125,9 +125,11 @@ def bundle_snapshot() -> Path:
     """One copy of the demo bundle per test session, so that the tests never see it half-rewritten (e.g. by
     `make train-demo` running beside them)."""
     if not _SNAPSHOT:
+        import atexit
         import tempfile
 
         target = Path(tempfile.mkdtemp(prefix="medserve-bundle-")) / "demo_organ_seg"
+        atexit.register(shutil.rmtree, target.parent, True)
         shutil.copytree(DEMO_BUNDLE, target)
         _SNAPSHOT.append(target)
     return _SNAPSHOT[0]
