@@ -126,6 +126,18 @@ def push_destination(reference: str) -> tuple[str, str]:
     return host, reference
 
 
+def _missing_credentials() -> str:
+    """What to set, naming the half of a pair that is missing (a user without a password is no credentials)."""
+    for user_var, token_var in (("MEDSERVE_REGISTRY_USER", "MEDSERVE_REGISTRY_PASSWORD"), ("GHCR_USER", "GHCR_TOKEN")):
+        if bool(os.environ.get(user_var)) != bool(os.environ.get(token_var)):
+            missing = token_var if os.environ.get(user_var) else user_var
+            return f"{missing} is not set, so {user_var}/{token_var} are not used"
+    scope = os.environ.get("MEDSERVE_REGISTRY_HOST")
+    if scope and os.environ.get("MEDSERVE_REGISTRY_USER"):
+        return f"MEDSERVE_REGISTRY_HOST={scope} keeps MEDSERVE_REGISTRY_* for that registry"
+    return "set MEDSERVE_REGISTRY_USER/_PASSWORD"
+
+
 def _classify(error: subprocess.CompletedProcess, host: str, action: str,
               credentials: Credentials | None) -> PackagingError:
     text = (error.stderr or "") + (error.stdout or "")
@@ -134,8 +146,7 @@ def _classify(error: subprocess.CompletedProcess, host: str, action: str,
     if _UNREACHABLE.search(text):
         return PackagingError(f"{action}: registry {host} is unreachable: {last}")
     if _UNAUTHORIZED.search(text):
-        who = (f"credentials from {credentials.source}" if credentials
-               else "no credentials (set MEDSERVE_REGISTRY_USER/_PASSWORD)")
+        who = f"credentials from {credentials.source}" if credentials else f"no credentials ({_missing_credentials()})"
         return PackagingError(f"{action}: registry {host} rejected {who}: {last}")
     return PackagingError(f"{action} failed: {last}")
 

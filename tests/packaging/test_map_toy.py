@@ -289,6 +289,8 @@ def test_push_credentials(toy_image: str, registry, monkeypatch: pytest.MonkeyPa
     with pytest.raises(PackagingError, match="rejected no credentials"):
         reg.push(toy_image, reference, "buildah")
     monkeypatch.setenv("MEDSERVE_REGISTRY_USER", "alice")
+    with pytest.raises(PackagingError, match=r"rejected no credentials \(MEDSERVE_REGISTRY_PASSWORD is not set"):
+        reg.push(toy_image, reference, "buildah")
     monkeypatch.setenv("MEDSERVE_REGISTRY_PASSWORD", "wrong-password")
     with pytest.raises(PackagingError,
                        match="rejected credentials from MEDSERVE_REGISTRY_USER/MEDSERVE_REGISTRY_PASSWORD"):
