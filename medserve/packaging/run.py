@@ -330,7 +330,7 @@ def run(request: RunRequest) -> int:
                     last_exit_line = line
             process.wait()
         except KeyboardInterrupt:
-            _remove_container(request)
+            remove_container(request)
             try:
                 process.wait(timeout=30)  # the engine's client ends with its container
             except subprocess.TimeoutExpired:
@@ -341,7 +341,8 @@ def run(request: RunRequest) -> int:
     return app_exit_code(process.returncode, last_exit_line)
 
 
-def _remove_container(request: RunRequest) -> None:
+def remove_container(request: RunRequest) -> None:
+    """Remove the container `request` started (by its name), at once; quiet when it is gone already."""
     tool = engine.pick(request.engine, "podman")
     # No grace period: the entrypoint ignores SIGTERM, so podman's default stop would only wait 10 s for nothing.
     at_once = ["--time", "0"] if tool == "podman" else []  # docker rm --force kills at once

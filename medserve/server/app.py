@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from medserve.errors import MedserveError
-from medserve.server import oip, uploads
+from medserve.server import maps, oip, uploads
 from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
@@ -107,6 +107,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 store.stop()
             finally:
                 jobs.close()
+                maps.stop_containers()  # after close: a job whose container ends now is requeued, not failed
                 # A worker still in a forward pass may write into the data dir until it ends: no other server
                 # may take the folder before then.
                 jobs.when_workers_end(data_lock.close)

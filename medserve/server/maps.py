@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 
 from medserve.errors import BundleError, PackagingError
 from medserve.packaging import engine
-from medserve.packaging.run import RunRequest, app_exit_code, prepare, read_manifests, wanted_gpus
+from medserve.packaging.run import RunRequest, app_exit_code, prepare, read_manifests, remove_container, wanted_gpus
 from medserve.server.errors import ApiError
 from medserve.server.inputs import InputSpec
 
@@ -30,6 +31,9 @@ log = logging.getLogger("medserve.server.maps")
 
 SUFFIX = ".map.json"
 LOG_TAIL_LINES = 15
+# Containers of requests still running, by name: a server that stops removes them (see stop_containers).
+_running: dict[str, RunRequest] = {}
+_running_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,13 @@ class MapModel:
             raise ApiError(503, "map_unavailable", f"MAP model {self.name!r} ({self.image}): {error}") from error
         log.info("MAP %s: %s", self.name, " ".join(argv))
         started = time.monotonic()
-        completed = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with _running_lock:
+            _running[request.name] = request
+        try:
+            completed = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        finally:
+            with _running_lock:
+                _running.pop(request.name, None)
         seconds = time.monotonic() - started
         code = app_exit_code(completed.returncode, completed.stdout)
         seg_path = out_dir / SEG_NAME
@@ -92,6 +102,16 @@ class MapModel:
             raise ApiError(500, "map_failed", f"MAP {self.image} {what} after {seconds:.1f} s: {tail}")
         nifti_path = out_dir / NIFTI_NAME
         return result_of(seg_path, nifti_path if nifti_path.is_file() else None, {"container_s": seconds})
+
+
+def stop_containers() -> None:
+    """Remove the containers of MAP requests that are still running. The engine would leave them running after
+    the server has gone, writing into a job folder, while the job itself runs again at the next start."""
+    with _running_lock:
+        running = list(_running.values())
+    for request in running:
+        log.info("removing container %s of a MAP request still running at the stop", request.name)
+        remove_container(request)
 
 
 def result_of(seg_path: Path, nifti_path: Path | None, timings: dict[str, float]) -> StudyResult:

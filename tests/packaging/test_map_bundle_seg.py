@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import highdicom as hd
@@ -22,7 +22,7 @@ import pydicom
 import pytest
 import uvicorn
 
-from conftest import REPO, SESSION, free_port, podman_run, remove_image
+from conftest import REPO, SESSION, free_port, podman, podman_run, remove_image
 from medserve.cli import main as cli_main
 from medserve.packaging.config import read_app_config
 from medserve.packaging.context import app_requirements
@@ -122,36 +122,64 @@ def test_map_run_reports_the_apps_failure(bundle_seg_map: str, tmp_path: Path) -
 
 @pytest.fixture(scope="module")
 def seg_only_map(bundle_seg_map: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A MAP whose app writes the SEG and no NIfTI label map, as many published MAPs do: the bundle_seg image
-    with `--no-nifti` added to the command in its app.json (one layer on top, made with buildah)."""
-    from medserve.packaging import layout
-    from medserve.packaging.engine import base_command
-
-    read = podman_run(bundle_seg_map, layout.APP_MANIFEST_PATH, entrypoint="cat")
-    assert read.returncode == 0, read.stderr
-    manifest = json.loads(read.stdout)
-    manifest["command"] = json.dumps([*json.loads(manifest["command"]), "--no-nifti"])
-    path = tmp_path_factory.mktemp("seg_only") / "app.json"
-    path.write_text(json.dumps(manifest))
-    tag = f"{TAG}-seg-only"
-    buildah = base_command("buildah")
-    container = subprocess.run([*buildah, "from", "--pull-never", bundle_seg_map], capture_output=True, text=True,
-                               check=True).stdout.strip()
-    subprocess.run([*buildah, "copy", "--chmod", "0644", container, str(path), layout.APP_MANIFEST_PATH],
-                   capture_output=True, check=True)
-    subprocess.run([*buildah, "commit", "--rm", container, tag], capture_output=True, check=True)
+    """A MAP whose app writes the SEG and no NIfTI label map, as many published MAPs do."""
+    tag = _derived_map(bundle_seg_map, "seg-only", lambda command: [*command, "--no-nifti"], tmp_path_factory)
     yield tag
     remove_image(tag)
 
 
+@pytest.fixture(scope="module")
+def slow_map(bundle_seg_map: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A MAP whose app takes five minutes (and writes nothing): a request of it is still running when a test
+    wants it to be."""
+    tag = _derived_map(bundle_seg_map, "slow", lambda command: ["sleep", "300"], tmp_path_factory)
+    yield tag
+    remove_image(tag)
+
+
+def _derived_map(image: str, suffix: str, command: Callable[[list[str]], list[str]],
+                 tmp_path_factory: pytest.TempPathFactory) -> str:
+    """`image` with the command in its app.json changed by `command` (one layer on top, made with buildah)."""
+    from medserve.packaging import layout
+    from medserve.packaging.engine import base_command
+
+    read = podman_run(image, layout.APP_MANIFEST_PATH, entrypoint="cat")
+    assert read.returncode == 0, read.stderr
+    manifest = json.loads(read.stdout)
+    manifest["command"] = json.dumps(command(json.loads(manifest["command"])))
+    path = tmp_path_factory.mktemp(suffix) / "app.json"
+    path.write_text(json.dumps(manifest))
+    tag = f"{TAG}-{suffix}"
+    buildah = base_command("buildah")
+    container = subprocess.run([*buildah, "from", "--pull-never", image], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    subprocess.run([*buildah, "copy", "--chmod", "0644", container, str(path), layout.APP_MANIFEST_PATH],
+                   capture_output=True, check=True)
+    subprocess.run([*buildah, "commit", "--rm", container, tag], capture_output=True, check=True)
+    return tag
+
+
+class MapServer:
+    """The server of `map_server`: its URL, and a stop that ends it as SIGTERM would (lifespan shutdown)."""
+
+    def __init__(self, url: str, server: uvicorn.Server, thread: threading.Thread) -> None:
+        self.url, self._server, self._thread = url, server, thread
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=60)
+        assert not self._thread.is_alive(), "the server did not stop within 60 s"
+
+
 @pytest.fixture
-def map_server(bundle_seg_map: str, seg_only_map: str, tmp_path: Path) -> Iterator[str]:
+def map_server(bundle_seg_map: str, seg_only_map: str, slow_map: str, tmp_path: Path) -> Iterator[MapServer]:
     """The model server in a thread on 127.0.0.1, over a store holding only MAP descriptors: the session's
-    bundle_seg image, one of it that writes no NIfTI, and one naming an image that does not exist."""
+    bundle_seg image, one of it that writes no NIfTI, a slow one, and one naming an image that does not exist."""
     store = tmp_path / "store"
     store.mkdir()
     (store / "seg.map.json").write_text(json.dumps({"image": bundle_seg_map, "engine": "podman"}))
     (store / "seg_only.map.json").write_text(json.dumps({"image": seg_only_map, "engine": "podman"}))
+    (store / "slow.map.json").write_text(json.dumps({"image": slow_map, "engine": "podman"}))
     (store / "ghost.map.json").write_text(json.dumps({"image": f"localhost/medserve-test-no-such-map:{SESSION}"}))
     config = ServerConfig(store=store, data_dir=tmp_path / "data", port=free_port(), poll_interval=0.1,
                           stable_seconds=0.2, device="cpu")
@@ -164,29 +192,34 @@ def map_server(bundle_seg_map: str, seg_only_map: str, tmp_path: Path) -> Iterat
     while True:  # ready once both descriptors are checked: the image's manifests read, or the failure recorded
         try:
             states = {m["name"]: m["state"] for m in httpx.get(url + "/v1/models", timeout=2).json()["models"]}
-            if states == {"seg": "available", "seg_only": "available", "ghost": "failed"}:
+            if states == {"seg": "available", "seg_only": "available", "slow": "available", "ghost": "failed"}:
                 break
         except httpx.HTTPError:
             pass
         assert time.monotonic() < deadline, "the server did not check the MAP descriptors within 60 s"
         time.sleep(0.1)
-    yield url
-    server.should_exit = True
-    thread.join(timeout=20)
+    running = MapServer(url, server, thread)
+    yield running
+    running.stop()
 
 
-def test_map_served_by_name(map_server: str, demo_study: Path, direct_seg: Path, tmp_path: Path) -> None:
-    models = {m["name"]: m for m in httpx.get(map_server + "/v1/models").json()["models"]}
+def _study_zip(study: Path) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path in sorted(study.rglob("*.dcm")):
+            archive.write(path, path.relative_to(study).as_posix())
+    return buffer.getvalue()
+
+
+def test_map_served_by_name(map_server: MapServer, demo_study: Path, direct_seg: Path, tmp_path: Path) -> None:
+    url = map_server.url
+    models = {m["name"]: m for m in httpx.get(url + "/v1/models").json()["models"]}
     assert models["seg"]["kind"] == "map" and models["seg"]["image"].endswith(f"bundle-seg:{SESSION}")
     assert "medserve-test-no-such-map" in models["ghost"]["error"]
 
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w") as archive:
-        for path in sorted(demo_study.rglob("*.dcm")):
-            archive.write(path, path.relative_to(demo_study).as_posix())
-    study_zip = buffer.getvalue()
+    study_zip = _study_zip(demo_study)
 
-    missing = httpx.post(map_server + "/v1/models/ghost/infer", content=study_zip,
+    missing = httpx.post(url + "/v1/models/ghost/infer", content=study_zip,
                          headers={"Content-Type": "application/zip"}, timeout=120)
     assert missing.status_code == 409, missing.text
     assert missing.json()["error"] == "model_failed"
@@ -194,14 +227,14 @@ def test_map_served_by_name(map_server: str, demo_study: Path, direct_seg: Path,
 
     # A study the app cannot segment (only a SEG, no image series): the container exits non-zero -> 500 with
     # the tail of its log, and no result.
-    broken = httpx.post(map_server + "/v1/models/seg/infer", files={"file": ("seg.dcm", direct_seg.read_bytes())},
+    broken = httpx.post(url + "/v1/models/seg/infer", files={"file": ("seg.dcm", direct_seg.read_bytes())},
                         timeout=300)
     assert broken.status_code == 500, broken.text
     assert broken.json()["error"] == "map_failed", broken.text
     assert "exited with 2" in broken.json()["message"] and "matches the selection rules" in broken.json()["message"]
 
     expected = _seg_volume(direct_seg)
-    served = httpx.post(map_server + "/v1/models/seg/infer", content=study_zip,
+    served = httpx.post(url + "/v1/models/seg/infer", content=study_zip,
                         headers={"Content-Type": "application/zip"}, timeout=300)
     assert served.status_code == 200, served.text
     assert served.headers["content-type"] == "application/dicom"
@@ -210,26 +243,50 @@ def test_map_served_by_name(map_server: str, demo_study: Path, direct_seg: Path,
     volume = _seg_volume(tmp_path / "served.dcm")
     assert np.array_equal(volume.array, expected.array) and np.allclose(volume.affine, expected.affine)
 
-    job = httpx.post(map_server + "/v1/jobs?model=seg", content=study_zip,
+    job = httpx.post(url + "/v1/jobs?model=seg", content=study_zip,
                      headers={"Content-Type": "application/zip"}, timeout=120)
     assert job.status_code == 202, job.text
     deadline = time.monotonic() + 120
-    while (state := httpx.get(map_server + job.headers["Location"]).json())["state"] not in (
+    while (state := httpx.get(url + job.headers["Location"]).json())["state"] not in (
             "succeeded", "failed", "cancelled"):
         assert time.monotonic() < deadline, state
         time.sleep(0.2)
     assert state["state"] == "succeeded", state
     assert state["outputs"] == ["nifti", "seg"]
-    result = httpx.get(map_server + state["result_url"])
+    result = httpx.get(url + state["result_url"])
     assert result.status_code == 200
     (tmp_path / "job.dcm").write_bytes(result.content)
     assert np.array_equal(_seg_volume(tmp_path / "job.dcm").array, expected.array)
 
     # A MAP that writes only the SEG, asked for the NIfTI label map: 406 naming what it can give, counted as such.
-    no_nifti = httpx.post(map_server + "/v1/models/seg_only/infer?format=nifti", content=study_zip,
+    no_nifti = httpx.post(url + "/v1/models/seg_only/infer?format=nifti", content=study_zip,
                           headers={"Content-Type": "application/zip"}, timeout=300)
     assert (no_nifti.status_code, no_nifti.json()["error"]) == (406, "format_unavailable"), no_nifti.text
     assert "produced no nifti output; ask for seg" in no_nifti.json()["message"], no_nifti.text
-    counted = [line for line in httpx.get(map_server + "/metrics").text.splitlines()
+    counted = [line for line in httpx.get(url + "/metrics").text.splitlines()
                if line.startswith("medserve_requests_total") and 'model="seg_only"' in line]
     assert counted == ['medserve_requests_total{endpoint="v1",model="seg_only",status="406"} 1.0'], counted
+
+
+def test_a_server_that_stops_removes_its_running_map_containers(map_server: MapServer, slow_map: str,
+                                                                  demo_study: Path) -> None:
+    """A job's container still running when the server stops (past the stop's grace) is removed with it: the
+    engine would leave it running, writing into the job's folder while the job runs again at the next start."""
+    def containers() -> list[str]:
+        listed = podman("ps", "--all", "--filter", f"ancestor={slow_map}", "--format", "{{.Names}}")
+        assert listed.returncode == 0, listed.stderr
+        return [name for name in listed.stdout.split() if name.startswith("medserve-run-")]
+
+    job = httpx.post(map_server.url + "/v1/jobs?model=slow", content=_study_zip(demo_study),
+                     headers={"Content-Type": "application/zip"}, timeout=120)
+    assert job.status_code == 202, job.text
+    deadline = time.monotonic() + 120
+    while not containers():
+        assert time.monotonic() < deadline, httpx.get(map_server.url + job.headers["Location"]).json()
+        time.sleep(0.1)
+    try:
+        map_server.stop()
+        assert containers() == []
+    finally:
+        for name in containers():
+            podman("rm", "--force", "--time", "0", name)
