@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from medserve.errors import MedserveError
+from medserve.server import maps
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, DicomWebError, with_retries
 from medserve.server.errors import ApiError, client_message
@@ -266,7 +267,8 @@ class JobQueue:
                              "error='cancelled by request', outputs=NULL WHERE id=?", (time.time(), job_id))
         if was == "queued":
             self._drop_input(job_id)  # no worker will see it
-        # A running job's worker notices at its next step and drops the input when it stops.
+        else:  # a MAP's container ends now; a bundle's worker notices at its next step and drops the input
+            maps.stop_containers(within=self.job_dir(job_id))
         log.info("job %s cancelled (was %s)", job_id, was)
         return self.get(job_id)
 

@@ -31,7 +31,7 @@ log = logging.getLogger("medserve.server.maps")
 
 SUFFIX = ".map.json"
 LOG_TAIL_LINES = 15
-# Containers of requests still running, by name: a server that stops removes them (see stop_containers).
+# Containers of requests still running, by name: a server that stops, or a job cancelled, removes them.
 _running: dict[str, RunRequest] = {}
 _running_lock = threading.Lock()
 
@@ -104,13 +104,15 @@ class MapModel:
         return result_of(seg_path, nifti_path if nifti_path.is_file() else None, {"container_s": seconds})
 
 
-def stop_containers() -> None:
-    """Remove the containers of MAP requests that are still running. The engine would leave them running after
-    the server has gone, writing into a job folder, while the job itself runs again at the next start."""
+def stop_containers(within: Path | None = None) -> None:
+    """Remove the containers of MAP requests still running (those writing under the folder `within`: a
+    cancelled job's). The engine would leave them running after the server has gone, writing into a job folder
+    while the job itself runs again at the next start; a cancelled job's would hold its slot and its GPU."""
     with _running_lock:
-        running = list(_running.values())
+        running = [request for request in _running.values()
+                   if within is None or (request.output is not None and request.output.is_relative_to(within))]
     for request in running:
-        log.info("removing container %s of a MAP request still running at the stop", request.name)
+        log.info("removing container %s of a MAP request still running", request.name)
         remove_container(request)
 
 

@@ -268,10 +268,12 @@ def test_map_served_by_name(map_server: MapServer, demo_study: Path, direct_seg:
     assert counted == ['medserve_requests_total{endpoint="v1",model="seg_only",status="406"} 1.0'], counted
 
 
-def test_a_server_that_stops_removes_its_running_map_containers(map_server: MapServer, slow_map: str,
-                                                                  demo_study: Path) -> None:
-    """A job's container still running when the server stops (past the stop's grace) is removed with it: the
-    engine would leave it running, writing into the job's folder while the job runs again at the next start."""
+@pytest.mark.parametrize("ending", ["server stop", "job cancel"])
+def test_a_running_map_job_that_ends_early_takes_its_container_with_it(map_server: MapServer, slow_map: str,
+                                                                       demo_study: Path, ending: str) -> None:
+    """A job's container still running when the server stops (past the stop's grace), or when the job is
+    cancelled, is removed: the engine would leave it running, writing into the job's folder while the job runs
+    again at the next start, or holding the model's slot (and GPU) for a result nobody wants."""
     def containers() -> list[str]:
         listed = podman("ps", "--all", "--filter", f"ancestor={slow_map}", "--format", "{{.Names}}")
         assert listed.returncode == 0, listed.stderr
@@ -280,13 +282,21 @@ def test_a_server_that_stops_removes_its_running_map_containers(map_server: MapS
     job = httpx.post(map_server.url + "/v1/jobs?model=slow", content=_study_zip(demo_study),
                      headers={"Content-Type": "application/zip"}, timeout=120)
     assert job.status_code == 202, job.text
+    location = map_server.url + job.headers["Location"]
     deadline = time.monotonic() + 120
     while not containers():
-        assert time.monotonic() < deadline, httpx.get(map_server.url + job.headers["Location"]).json()
+        assert time.monotonic() < deadline, httpx.get(location).json()
         time.sleep(0.1)
     try:
-        map_server.stop()
+        if ending == "server stop":
+            map_server.stop()
+        else:
+            cancelled = httpx.delete(location, timeout=60)
+            assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled", cancelled.text
         assert containers() == []
+        if ending == "job cancel":  # the worker is free again: the job stays cancelled, not failed
+            time.sleep(1)
+            assert httpx.get(location).json()["state"] == "cancelled"
     finally:
         for name in containers():
             podman("rm", "--force", "--time", "0", name)
