@@ -277,7 +277,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.delete("/v1/jobs/{job_id}", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def cancel_job(job_id: str) -> dict[str, Any]:
-        return jobs.cancel(job_id)
+        return await anyio.to_thread.run_sync(jobs.cancel, job_id)  # a MAP job's container is removed meanwhile
 
     return app
 

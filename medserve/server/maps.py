@@ -11,6 +11,7 @@ import logging
 import subprocess
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,8 +32,10 @@ log = logging.getLogger("medserve.server.maps")
 
 SUFFIX = ".map.json"
 LOG_TAIL_LINES = 15
-# Containers of requests still running, by name: a server that stops, or a job cancelled, removes them.
+# Requests whose container is starting or running, by container name, and those of them told to stop: a
+# server that stops, or a job cancelled, removes their containers.
 _running: dict[str, RunRequest] = {}
+_stopped: set[str] = set()
 _running_lock = threading.Lock()
 
 
@@ -79,29 +82,55 @@ class MapModel:
 
         if spec.kind != "dicom" or spec.path is None:
             raise ApiError(415, "unsupported_input", f"MAP model {self.name!r} takes a DICOM study, not {spec.kind}")
-        request = RunRequest(self.image, spec.path, out_dir, gpus=self.gpus, engine=self.engine)
+        started = time.monotonic()
         try:
+            # The engine once, here: removing the container later must speak to the one that started it.
+            request = RunRequest(self.image, spec.path, out_dir, gpus=self.gpus,
+                                 engine=engine.pick(self.engine, "podman"))
+            with _running_lock:
+                _running[request.name] = request  # before the image is read: a stop meanwhile still counts
             argv = prepare(request)
         except PackagingError as error:  # the image went away (or the engine did) after the store checked it
             raise ApiError(503, "map_unavailable", f"MAP model {self.name!r} ({self.image}): {error}") from error
-        log.info("MAP %s: %s", self.name, " ".join(argv))
-        started = time.monotonic()
-        with _running_lock:
-            _running[request.name] = request
         try:
-            completed = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            output = _run_container(request, argv, self.name)
         finally:
             with _running_lock:
                 _running.pop(request.name, None)
+                _stopped.discard(request.name)
         seconds = time.monotonic() - started
-        code = app_exit_code(completed.returncode, completed.stdout)
+        code = app_exit_code(output.returncode, output.stdout)
         seg_path = out_dir / SEG_NAME
         if code != 0 or not seg_path.is_file():
-            tail = " | ".join(completed.stdout.strip().splitlines()[-LOG_TAIL_LINES:])
+            tail = " | ".join(output.stdout.strip().splitlines()[-LOG_TAIL_LINES:])
             what = f"exited with {code}" if code else f"exited 0 but wrote no {SEG_NAME}"
             raise ApiError(500, "map_failed", f"MAP {self.image} {what} after {seconds:.1f} s: {tail}")
         nifti_path = out_dir / NIFTI_NAME
         return result_of(seg_path, nifti_path if nifti_path.is_file() else None, {"container_s": seconds})
+
+
+def _run_container(request: RunRequest, argv: list[str], model: str) -> subprocess.CompletedProcess:
+    """Run the engine's client to the end. Once the request is told to stop, its container is removed every
+    second until the client ends: a removal that came before the engine created the container finds none."""
+    with _running_lock:
+        if request.name in _stopped:
+            raise ApiError(409, "map_stopped", f"MAP model {model!r}: stopped before its container started")
+    log.info("MAP %s: %s", model, " ".join(argv))
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medserve-map-log")
+    log_text = reader.submit(process.communicate)
+    try:
+        while True:
+            try:
+                stdout, _ = log_text.result(timeout=1.0)
+                return subprocess.CompletedProcess(argv, process.returncode, stdout)
+            except TimeoutError:
+                with _running_lock:
+                    stopping = request.name in _stopped
+                if stopping:
+                    _remove_quietly(request)
+    finally:
+        reader.shutdown(wait=False)
 
 
 def stop_containers(within: Path | None = None) -> None:
@@ -111,9 +140,17 @@ def stop_containers(within: Path | None = None) -> None:
     with _running_lock:
         running = [request for request in _running.values()
                    if within is None or (request.output is not None and request.output.is_relative_to(within))]
+        _stopped.update(request.name for request in running)
     for request in running:
         log.info("removing container %s of a MAP request still running", request.name)
+        _remove_quietly(request)
+
+
+def _remove_quietly(request: RunRequest) -> None:
+    try:
         remove_container(request)
+    except (PackagingError, OSError, subprocess.SubprocessError) as error:  # the engine went away meanwhile
+        log.warning("could not remove container %s: %s", request.name, error)
 
 
 def result_of(seg_path: Path, nifti_path: Path | None, timings: dict[str, float]) -> StudyResult:

@@ -300,3 +300,26 @@ def test_a_running_map_job_that_ends_early_takes_its_container_with_it(map_serve
     finally:
         for name in containers():
             podman("rm", "--force", "--time", "0", name)
+
+
+def test_a_stop_while_the_image_is_read_starts_no_container(slow_map: str, demo_study: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop (server stop or job cancel) that comes while the request still reads the image's manifests, before
+    the container exists, is not lost: no container starts."""
+    from medserve.server import maps
+    from medserve.server.errors import ApiError
+    from medserve.server.inputs import InputSpec
+
+    real_prepare = maps.prepare
+
+    def prepare_then_stop(request):
+        argv = real_prepare(request)
+        maps.stop_containers()  # as a cancel would, once the request is known but its container is not
+        return argv
+
+    monkeypatch.setattr(maps, "prepare", prepare_then_stop)
+    with pytest.raises(ApiError) as stopped:
+        maps.MapModel("slow", slow_map, "podman").run(InputSpec("dicom", demo_study), tmp_path / "out")
+    assert stopped.value.code == "map_stopped", stopped.value.message
+    listed = podman("ps", "--all", "--filter", f"ancestor={slow_map}", "--format", "{{.Names}}")
+    assert listed.stdout.split() == []
