@@ -98,11 +98,11 @@ def _build_argv(builder: str, request: PackageRequest, containerfile: Path, cont
 
 
 def _check_local_base_image(builder: str, image: str, platform: str) -> None:
-    """A base image that lives only in the local store (`localhost/...` or a bare name) must be there and be
-    built for the platform: otherwise the builder goes looking for it on a registry called `localhost` and
-    reports a refused connection."""
-    if engine.registry_host(image) not in (None, "localhost"):
-        return  # a registry image: the builder pulls it, for the platform asked
+    """A base image that lives only in the local store (`localhost/...`) must be there and be built for the
+    platform: otherwise the builder goes looking for it on a registry called `localhost` and reports a refused
+    connection."""
+    if engine.registry_host(image) != "localhost":
+        return  # a registry image (a short name too): the builder pulls it, for the platform asked
     argv = [*engine.base_command("buildah"), "inspect", "--type", "image", "--format", "{{.OCIv1.Architecture}}",
             image] if builder == "buildah" else ["docker", "image", "inspect", "--format", "{{.Architecture}}", image]
     found = subprocess.run(argv, capture_output=True, text=True)

@@ -4,6 +4,7 @@ inspected, run with podman (runc), pushed to and pulled from a loopback registry
 from __future__ import annotations
 
 import json
+import platform as host_platform
 import shutil
 import signal
 import subprocess
@@ -354,9 +355,14 @@ def test_a_failed_build_leaves_no_working_container(base_image: str, toy: dict[s
     assert working_containers() == before
 
 
+_ARM_HOST = host_platform.machine() in ("aarch64", "arm64")
+_HOST_PLATFORM, _FOREIGN_PLATFORM, _FOREIGN_ARCH = ("sbsa", "x86_64", "amd64") if _ARM_HOST else ("x86_64", "sbsa",
+                                                                                                   "arm64")
+
+
 @pytest.mark.parametrize(("platform", "base", "message"), [
-    ("sbsa", None, "is linux/amd64; --platform sbsa builds linux/arm64"),
-    ("x86_64", f"localhost/medserve-test-absent-base:{SESSION}", "is not in the local store"),
+    (_FOREIGN_PLATFORM, None, f"--platform {_FOREIGN_PLATFORM} builds linux/{_FOREIGN_ARCH}"),
+    (_HOST_PLATFORM, f"localhost/medserve-test-absent-base:{SESSION}", "is not in the local store"),
 ])
 def test_a_local_base_image_that_cannot_serve_is_refused_before_the_build(base_image: str, toy: dict[str, Path],
                                                                           platform: str, base: str | None,
