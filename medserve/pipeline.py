@@ -51,10 +51,12 @@ def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, i
     """Voxels per label present in the map, named by the bundle's labels; a name that several labels share gets
     each one's value ("kidney (label 2)"), as the SEG has a segment for each."""
     values, counts = np.unique(label_map, return_counts=True)
-    present = [(int(v), int(c)) for v, c in zip(values, counts) if v != 0]
-    names = [labels.get(value, f"label {value}") for value, _ in present]
-    return {(f"{name} (label {value})" if names.count(name) > 1 else name): count
-            for name, (value, count) in zip(names, present)}
+    shared = {name for name in labels.values() if list(labels.values()).count(name) > 1}
+    named = {}
+    for value, count in ((int(v), int(c)) for v, c in zip(values, counts) if v != 0):
+        name = labels.get(value, f"label {value}")
+        named[f"{name} (label {value})" if name in shared else name] = count
+    return named
 
 
 def segmentation_of(source: LoadedSeries | list[Dataset], label_map: np.ndarray,

@@ -415,3 +415,5 @@ def test_the_summary_counts_labels_that_share_a_name_apart() -> None:
     counts = segment_counts(label_map, {1: "kidney", 2: "kidney", 3: "liver"})
     assert counts == {"kidney (label 1)": 8, "kidney (label 2)": 4, "liver": 4}
     assert summary_line(counts, 1.0).startswith("3 segment(s) found (kidney (label 1): 8 voxels, ")
+    # the same name for the same label in every study, whichever of the alike-named labels it holds
+    assert segment_counts(np.where(label_map == 2, 2, 0), {1: "kidney", 2: "kidney"}) == {"kidney (label 2)": 4}
