@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -330,11 +331,18 @@ def run(request: RunRequest) -> int:
                     last_exit_line = line
             process.wait()
         except KeyboardInterrupt:
-            remove_container(request)
-            try:
-                process.wait(timeout=30)  # the engine's client ends with its container
-            except subprocess.TimeoutExpired:
-                process.kill()
+            # Again every second until the engine's client ends with its container: a removal that came before
+            # the engine had created the container found none.
+            deadline = time.monotonic() + 30
+            while True:
+                remove_container(request)
+                try:
+                    process.wait(timeout=1)
+                    break
+                except subprocess.TimeoutExpired:
+                    if time.monotonic() > deadline:
+                        process.kill()
+                        break
             raise
         finally:
             process.stdout.close()
