@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, i
     """Voxels per label present in the map, named by the bundle's labels; a name that several labels share gets
     each one's value ("kidney (label 2)"), as the SEG has a segment for each."""
     values, counts = np.unique(label_map, return_counts=True)
-    shared = {name for name in labels.values() if list(labels.values()).count(name) > 1}
+    shared = {name for name, uses in Counter(labels.values()).items() if uses > 1}
     named = {}
     for value, count in ((int(v), int(c)) for v, c in zip(values, counts) if v != 0):
         name = labels.get(value, f"label {value}")

@@ -61,10 +61,9 @@ def auth_file(host: str, credentials: Credentials | None) -> Iterator[tuple[list
     if credentials is None:
         yield [], ()
         return
-    token = base64.b64encode(f"{credentials.username}:{credentials.password}".encode()).decode()
     fd = os.memfd_create("medserve-auth", 0)
     try:
-        os.write(fd, json.dumps({"auths": {host: {"auth": token}}}).encode())
+        os.write(fd, _auth_json(host, credentials).encode())
         os.lseek(fd, 0, os.SEEK_SET)
         yield ["--authfile", f"/proc/self/fd/{fd}"], (fd,)
     finally:
@@ -79,13 +78,18 @@ def docker_config(host: str, credentials: Credentials | None) -> Iterator[list[s
     if credentials is None:
         yield []
         return
-    token = base64.b64encode(f"{credentials.username}:{credentials.password}".encode()).decode()
     memory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix="medserve-docker-", dir=memory) as folder:
         config = Path(folder) / "config.json"
         config.touch(mode=0o600)
-        config.write_text(json.dumps({"auths": {host: {"auth": token}}}))
+        config.write_text(_auth_json(host, credentials))
         yield ["--config", folder]
+
+
+def _auth_json(host: str, credentials: Credentials) -> str:
+    """The `auths` document that containers' auth.json and docker's config.json share."""
+    token = base64.b64encode(f"{credentials.username}:{credentials.password}".encode()).decode()
+    return json.dumps({"auths": {host: {"auth": token}}})
 
 
 def _tls_args(host: str) -> list[str]:
@@ -116,11 +120,11 @@ def push_destination(reference: str) -> tuple[str, str]:
     expected = "expected HOST[:PORT]/REPO[:TAG] with a lowercase REPO"
     if "@" in reference:
         raise PackagingError(f"push destination {reference!r} names a digest, which cannot be pushed to; {expected}")
-    repository, _, tag = reference[len(host) + 1:].partition(":")
+    repository, has_tag, tag = reference[len(host) + 1:].partition(":")
     if not _PUSH_REPOSITORY.match(repository):
         raise PackagingError(f"push destination {reference!r}: repository {repository!r} is not a valid name "
                              f"(lowercase letters, digits and . _ - separators, / between parts); {expected}")
-    if ":" in reference[len(host) + 1:] and not _TAG.match(tag):
+    if has_tag and not _TAG.match(tag):
         raise PackagingError(f"push destination {reference!r}: tag {tag!r} is not valid (up to 128 letters, "
                              f"digits, '_', '.', '-', not starting with '.' or '-'); {expected}")
     return host, reference

@@ -19,7 +19,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -318,6 +318,8 @@ def run(request: RunRequest) -> int:
     the container before KeyboardInterrupt goes on: the engine passes the signal to the official entrypoint
     only, which, as the container's first process, ignores it, so the app would run on unattended."""
     last_exit_line = ""
+    # The engine once: the removals below must not ask `docker info` again each time.
+    request = replace(request, engine=engine.pick(request.engine, "podman"))
     with _sigterm_as_interrupt():
         argv = prepare(request)  # an interruption here: the manifests' container is removed on the way out
         logger.info("running: %s", " ".join(argv))

@@ -11,7 +11,6 @@ import logging
 import subprocess
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -116,21 +115,16 @@ def _run_container(request: RunRequest, argv: list[str], model: str) -> subproce
         if request.name in _stopped:
             raise ApiError(409, "map_stopped", f"MAP model {model!r}: stopped before its container started")
     log.info("MAP %s: %s", model, " ".join(argv))
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medserve-map-log")
-    log_text = reader.submit(process.communicate)
-    try:
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
         while True:
-            try:
-                stdout, _ = log_text.result(timeout=1.0)
+            try:  # a communicate that times out keeps what it read for the next one
+                stdout, _ = process.communicate(timeout=1.0)
                 return subprocess.CompletedProcess(argv, process.returncode, stdout)
-            except TimeoutError:
+            except subprocess.TimeoutExpired:
                 with _running_lock:
                     stopping = request.name in _stopped
                 if stopping:
                     _remove_quietly(request)
-    finally:
-        reader.shutdown(wait=False)
 
 
 def stop_containers(within: Path | None = None) -> None:
