@@ -16,6 +16,7 @@ it got, so that no client reads a failed job as nearly done; its `error` says wh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -151,6 +152,13 @@ class JobQueue:
             self._drop_input(row["id"])
         if requeued or failed:
             log.warning("recovered after restart: %d jobs requeued, %d failed", len(requeued), len(failed))
+        # A job cancelled while it ran, whose worker died before it noticed: its row is final, its files are not.
+        for row in self._exec("SELECT id, state FROM jobs WHERE state IN ('failed', 'cancelled')"):
+            folder = self.root / row["id"]
+            if folder.is_dir():
+                for leftover in ("result.tmp", "work", "result"):
+                    shutil.rmtree(folder / leftover, ignore_errors=True)
+                self._drop_input(row["id"])
         # A job folder without a row: the server stopped while the request was still saving its input.
         known = {row["id"] for row in self._exec("SELECT id FROM jobs")}
         for folder in self.root.iterdir():
@@ -179,7 +187,8 @@ class JobQueue:
         try:
             self._exec("INSERT INTO jobs (id, model, state, stage, input, writeback, idempotency_key, created) "
                        "VALUES (?, ?, 'queued', 'queued', ?, ?, ?, ?)",
-                       (job_id, model, json.dumps(spec.to_json()), int(writeback), key, time.time()))
+                       (job_id, model, json.dumps(self._stored_input(job_id, spec)), int(writeback), key,
+                        time.time()))
         except sqlite3.IntegrityError as error:  # a concurrent request with the same Idempotency-Key won
             shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
             existing = self.find_idempotent(key or "")
@@ -189,6 +198,18 @@ class JobQueue:
         with self._wake:
             self._wake.notify()
         return self.get(job_id)
+
+    def _stored_input(self, job_id: str, spec: InputSpec) -> dict[str, Any]:
+        """The spec as the row keeps it: a path inside the job's folder relative to it, so that a restart that
+        reaches the data dir by another path (another working directory, a moved or remounted folder) finds it."""
+        data = spec.to_json()
+        if spec.path is not None and spec.path.is_relative_to(self.job_dir(job_id)):
+            data["path"] = spec.path.relative_to(self.job_dir(job_id)).as_posix()
+        return data
+
+    def _loaded_input(self, row: sqlite3.Row) -> InputSpec:
+        spec = InputSpec.from_json(json.loads(row["input"]))
+        return spec if spec.path is None else dataclasses.replace(spec, path=self.job_dir(row["id"]) / spec.path)
 
     def _row(self, job_id: str) -> sqlite3.Row:
         rows = self._exec("SELECT * FROM jobs WHERE id=?", (job_id,))
@@ -360,7 +381,7 @@ class JobQueue:
 
     def _attempt(self, row: sqlite3.Row) -> None:
         job_id, model = row["id"], row["model"]
-        spec = InputSpec.from_json(json.loads(row["input"]))
+        spec = self._loaded_input(row)
         folder = self.job_dir(job_id)
         work, tmp, final = folder / "work", folder / "result.tmp", folder / "result"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -55,6 +55,8 @@ class MapModel:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise BundleError(f"{path.name}: not valid JSON: {error}") from error
+        except OSError as error:
+            raise BundleError(f"{path.name}: cannot be read ({error.strerror})") from error
         if not isinstance(data, dict) or not isinstance(data.get("image"), str) or not data["image"]:
             raise BundleError(f'{path.name}: expected {{"image": "REPO:TAG"}} (optionally "engine", "gpus")')
         unknown = sorted(set(data) - {"image", "engine", "gpus"})

@@ -54,9 +54,13 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 Fingerprint = tuple[tuple[str, int, int], ...]
 
 
-def check_model_name(name: Any) -> str:
+def is_model_name(name: str) -> bool:
     """Model names are folder names: no path separators, no `..`, nothing a path could be built from."""
-    if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+    return bool(NAME_RE.match(name)) and ".." not in name
+
+
+def check_model_name(name: Any) -> str:
+    if not isinstance(name, str) or not is_model_name(name):
         raise ApiError(400, "bad_model_name",
                        f"invalid model name {name!r}: use letters, digits, '.', '_' or '-', no path separators")
     return name
@@ -86,11 +90,17 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     """configs/metadata.json, read without loading the model, so listings show version and description."""
     path = folder / "configs" / "metadata.json"
     try:
-        return json.loads(path.read_text())
+        metadata = json.loads(path.read_text())
     except FileNotFoundError as error:
         raise BundleError(f"{folder.name}: no configs/metadata.json in the bundle") from error
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise BundleError(f"{folder.name}: configs/metadata.json is not valid JSON: {error}") from error
+    except OSError as error:
+        raise BundleError(f"{folder.name}: configs/metadata.json cannot be read ({error.strerror})") from error
+    if not isinstance(metadata, dict):
+        raise BundleError(f"{folder.name}: configs/metadata.json holds a JSON {type(metadata).__name__}; expected "
+                          f"an object")
+    return metadata
 
 
 @dataclass(eq=False)
@@ -212,6 +222,7 @@ class ModelEntry:
     name: str
     path: Path
     gate: Gate
+    is_map: bool  # a descriptor file, not a bundle folder
     # bundles: copying -> available -> loading -> loaded; failed; unloaded after eviction.
     # MAPs: copying -> checking -> available; failed.
     state: str = "copying"
@@ -230,10 +241,6 @@ class ModelEntry:
     unloads: int = 0  # admin unloads so far: a load asked for before an unload does not keep its predictor
     load_lock: threading.Lock = field(default_factory=threading.Lock)
     map: MapModel | None = None  # set once a MAP descriptor has been parsed
-
-    @property
-    def is_map(self) -> bool:
-        return self.path.name.endswith(MAP_SUFFIX)
 
     def summary(self) -> dict[str, Any]:
         device = getattr(self.predictor, "device", None)
@@ -271,6 +278,7 @@ class ModelStore:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medserve-load")
+        self._ignored: set[str] = set()  # names in the store that cannot be model names, warned about once
         self.scanned = threading.Event()  # set after the first scan has settled
         # Readiness: the first scan has settled and every --preload model found then is loaded or failed, so a
         # probe does not route requests to a server that would make them wait for a load.
@@ -323,10 +331,18 @@ class ModelStore:
             name = child.name
             if name.startswith(".") or name.endswith((".tmp", ".partial")):
                 continue
-            if child.is_dir() and NAME_RE.match(name):
-                found[name] = child
-            elif child.is_file() and name.endswith(MAP_SUFFIX) and NAME_RE.match(name.removesuffix(MAP_SUFFIX)):
-                descriptors[name.removesuffix(MAP_SUFFIX)] = child
+            if child.is_dir():
+                model, models = name, found
+            elif child.is_file() and name.endswith(MAP_SUFFIX):
+                model, models = name.removesuffix(MAP_SUFFIX), descriptors
+            else:
+                continue
+            if is_model_name(model):
+                models[model] = child
+            elif name not in self._ignored:
+                self._ignored.add(name)
+                log.warning("ignoring %s in the model store: %r is not a model name (letters, digits, '.', '_' or "
+                            "'-', no '..')", child, model)
         return {**descriptors, **found}  # a bundle folder wins over a descriptor of the same name
 
     def scan(self) -> None:
@@ -344,21 +360,31 @@ class ModelStore:
             for name, path in folders.items():
                 entry = self._entries.get(name)
                 if entry is None:
-                    entry = ModelEntry(name, path, Gate(self.config.concurrency, self.config.queue_size))
+                    entry = ModelEntry(name, path, Gate(self.config.concurrency, self.config.queue_size),
+                                       is_map=path.is_file())
                     self._entries[name] = entry
                     log.info("bundle %s appeared; waiting for it to settle", name)
-                fp = fingerprint(path)
-                if fp != entry.seen_fp:
-                    entry.seen_fp = fp
-                    entry.stable_since = now
-                    if entry.predictor is None:  # nothing to keep serving: unusable until the files settle
-                        entry.state = "copying"
-                    continue
-                if now - entry.stable_since < self.config.stable_seconds or (
-                        fp == entry.settled_fp and entry.state != "copying"):
-                    continue
-                entry.settled_fp = fp
-                self._settled(entry, fp)
+                try:
+                    self._scan_entry(entry, now)
+                except Exception as error:  # one unreadable model must not keep the others from settling
+                    log.exception("model %s cannot be read", name)
+                    entry.state, entry.error, entry.predictor = "failed", f"{type(error).__name__}: {error}", None
+                    entry.loaded_fp = entry.settled_fp
+                    self._changed()
+
+    def _scan_entry(self, entry: ModelEntry, now: float) -> None:
+        fp = fingerprint(entry.path)
+        if fp != entry.seen_fp:
+            entry.seen_fp = fp
+            entry.stable_since = now
+            if entry.predictor is None:  # nothing to keep serving: unusable until the files settle
+                entry.state = "copying"
+            return
+        if now - entry.stable_since < self.config.stable_seconds or (
+                fp == entry.settled_fp and entry.state != "copying"):
+            return
+        entry.settled_fp = fp
+        self._settled(entry, fp)
 
     def _settled(self, entry: ModelEntry, fp: Fingerprint) -> None:
         """Files stopped changing: (re)read metadata, and load eagerly when that is wanted and fits."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -343,6 +344,42 @@ def test_a_job_interrupted_by_a_stop_is_rerun_after_the_restart(make_server, stu
     second = make_server(port=free_port())  # the same store and data folder; the model is found anew
     done = _wait(second.url, job["id"], ("succeeded", "failed"))
     assert done["state"] == "succeeded" and done["attempts"] == 1, done  # a stop does not use up an attempt
+
+
+def test_a_queued_job_runs_after_its_data_dir_was_moved(make_server, study: Path, tmp_path: Path) -> None:
+    """A job's input is recorded relative to the job's folder: a restart on the data dir moved (or reached by
+    another path) still finds it."""
+    first = with_thr(make_server())
+    with first.store.use("thr", lambda: None):
+        job = httpx.post(first.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait(first.url, job["id"], ("running",))
+        first.__exit__(None, None, None)
+    moved = tmp_path / "moved"
+    first.config.data_dir.rename(moved)
+    second = make_server(port=free_port(), data_dir=moved)
+    done = _wait(second.url, job["id"], ("succeeded", "failed"))
+    assert done["state"] == "succeeded", done
+
+
+def test_a_job_cancelled_while_running_leaves_no_files_after_a_crash(base_config, study: Path) -> None:
+    """Cancelled while it ran, and the server died before the worker noticed: the next start removes what the
+    job left (its input, a partial result), as the worker would have."""
+    from medserve.server.inputs import InputSpec
+    from medserve.server.jobs import JobQueue
+    from medserve.server.store import ModelStore
+
+    queue = JobQueue(base_config, ModelStore(base_config))  # no workers: the test plays the worker
+    folder = queue.job_dir("job-1")
+    shutil.copytree(study, folder / "input" / "dicom")
+    queue.submit("job-1", "demo", InputSpec("dicom", folder / "input" / "dicom"), False, None)
+    assert queue._claim()["id"] == "job-1"
+    (folder / "result.tmp").mkdir()
+    (folder / "result.tmp" / "seg.dcm").write_bytes(b"partial")
+    assert queue.cancel("job-1")["state"] == "cancelled"
+    queue.close()  # the worker never got to drop the job's files
+    assert (folder / "input" / "dicom").is_dir()
+    JobQueue(base_config, ModelStore(base_config)).close()
+    assert not folder.exists()
 
 
 def test_a_cancel_racing_the_jobs_success_is_one_or_the_other(base_config, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -349,3 +349,28 @@ def test_map_descriptor_fields_are_checked_when_read(tmp_path: Path, descriptor:
     assert str(caught.value).startswith(expected), caught.value
     path.write_text(json.dumps({"image": "x:1", "gpus": "device=1"}))
     assert MapModel.from_file(path).gpus == "device=1"
+
+
+def test_one_unreadable_model_does_not_keep_the_others_from_settling(base_config, tmp_path: Path) -> None:
+    """A metadata.json that is not an object, a folder named like a MAP descriptor and a folder whose name cannot
+    be a model name: each is failed or ignored on its own; the bundle listed beside them settles."""
+    from medserve.server.store import ModelStore
+
+    root = Path(base_config.store)
+    good = add_bundle(root, "good")
+    broken = add_bundle(root, "broken")
+    (broken / "configs" / "metadata.json").write_text("[]")
+    (root / "e.map.json").mkdir()
+    (root / "e.map.json" / "notes.txt").write_text("not a descriptor")
+    shutil.copytree(good, root / "v1..2")
+    store = ModelStore(replace(base_config, stable_seconds=0.0, max_models=0))
+    try:
+        for _ in range(2):  # the first pass sees the files, the second finds them unchanged
+            store.scan()
+        states = {entry.name: (entry.state, entry.error) for entry in store.entries()}
+    finally:
+        store.stop()
+    assert states["good"] == ("available", None), states
+    assert states["broken"][0] == "failed" and "holds a JSON list; expected an object" in states["broken"][1]
+    assert states["e.map.json"][0] == "failed" and "no configs/metadata.json" in states["e.map.json"][1]
+    assert "v1..2" not in states
