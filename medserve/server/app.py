@@ -24,7 +24,7 @@ from medserve.server import maps, oip, uploads
 from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
-                                    validation_error_handler)
+                                    internal_error_handler, validation_error_handler)
 from medserve.server.inputs import InputSpec, json_object, media_type, parse_input
 from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
 from medserve.server.lock import lock_data_dir
@@ -49,9 +49,15 @@ def check_format(fmt: Any) -> str:
 MODEL_ACTIONS = ("load", "unload", "infer")  # POST /v1/models/NAME/ACTION
 
 
+def requested_format(request: Request, options: dict[str, Any]) -> str | None:
+    """The `?format=` or form/JSON field, checked: known before the study is read, so a bad one is refused first."""
+    fmt = request.query_params.get("format") or options.get("format")
+    return None if fmt is None else check_format(fmt)
+
+
 def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
     """`?format=` / form field wins, then Accept, then the natural output of the input (SEG for DICOM)."""
-    fmt = request.query_params.get("format") or options.get("format")
+    fmt = requested_format(request, options)
     if fmt is None:
         accept = request.headers.get("accept", "").lower()
         if "nifti" in accept or "application/gzip" in accept:
@@ -120,6 +126,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(MedserveError, core_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
     app.include_router(uploads.router)
     app.include_router(oip.router)
 
@@ -170,7 +177,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         start = time.monotonic()
         status = "500"
         try:
-            spec, options = await parse_input(request, work / "input", config.max_upload_bytes)
+            spec, options = await parse_input(request, work / "input", config.max_upload_bytes,
+                                              lambda options: requested_format(request, options))
             fmt = choose_format(request, options, spec)
             if spec.kind == "dicomweb":
                 spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from medserve.server.lock import DATABASE
 
 
 @dataclass
@@ -56,4 +57,4 @@ class ServerConfig:
 
     @property
     def db_path(self) -> Path:
-        return self.data_dir / "jobs.sqlite"
+        return self.data_dir / DATABASE

@@ -101,3 +101,11 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
     message = f"{exc.detail}: {request.method} {request.url.path}"
     return _shaped(request, ApiError(exc.status_code, code, message, dict(exc.headers or {})))
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Anything else (a bug, or a library failing in a way we did not foresee): answered in our shape rather than
+    Starlette's plain-text 500, without internals in the message. Starlette raises it on after this answer, so
+    the server logs it with its traceback."""
+    return _shaped(request, ApiError(500, "internal_error", f"the server failed on {request.method} "
+                                     f"{request.url.path} ({type(exc).__name__}); its log has the details"))

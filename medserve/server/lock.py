@@ -1,6 +1,8 @@
-"""One `medserve serve` per data dir. A second server on the same folder would run the restart recovery on the
-first one's live jobs (requeue them, delete their folders) before it even learns that its port is taken, so the
-data dir is taken first, with an exclusive lock held for the server's life."""
+"""One `medserve serve` per data dir, and only on a folder that is medserve's. A second server on the same folder
+would run the restart recovery on the first one's live jobs (requeue them, delete their folders) before it even
+learns that its port is taken, so the data dir is taken first, with an exclusive lock held for the server's life.
+A start also empties `tmp/` and removes folders under `jobs/` that no job owns: on a folder of other files
+(`--data-dir .` or `$HOME`), that would delete the user's own, so such a folder is refused."""
 
 from __future__ import annotations
 
@@ -12,16 +14,25 @@ from typing import IO
 from medserve.errors import MedserveError
 
 LOCK_FILE = "serve.lock"
+DATABASE = "jobs.sqlite"
+# What a server writes at the top of its data dir (the database with SQLite's journal files, the lock, the folders).
+_OWN_ENTRIES = {DATABASE, f"{DATABASE}-wal", f"{DATABASE}-shm", f"{DATABASE}-journal", LOCK_FILE, "uploads", "jobs",
+                "tmp"}
 
 
 class DataDirInUse(MedserveError):
     """Another running server holds the data dir."""
 
 
+class ForeignDataDir(MedserveError):
+    """The data dir holds files that a server did not write, and no job database: not a medserve data dir."""
+
+
 def lock_data_dir(data_dir: Path) -> IO[str]:
     """An exclusive flock on `data_dir/serve.lock`, held until the returned file is closed. The kernel drops it
     when the process dies, so a killed server leaves no stale lock behind. The file holds the holder's pid, for
-    the refusal's message."""
+    the refusal's message. ForeignDataDir when the folder is someone else's."""
+    _refuse_foreign(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     handle = open(data_dir / LOCK_FILE, "a+")  # not "w": that would erase the holder's pid before we know
     try:
@@ -35,3 +46,15 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
+def _refuse_foreign(data_dir: Path) -> None:
+    """A data dir is medserve's when it is new, empty, holds only what a server writes, or holds a job database."""
+    if not data_dir.is_dir() or (data_dir / DATABASE).exists():
+        return
+    foreign = sorted(entry.name for entry in data_dir.iterdir() if entry.name not in _OWN_ENTRIES)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ForeignDataDir(f"data dir {data_dir} holds files medserve did not write ({shown}) and no {DATABASE}: "
+                             f"a server empties parts of its data dir at start; give --data-dir a new or empty "
+                             f"folder")

@@ -65,10 +65,19 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"ready": ok}, 200 if ok else 503)
 
 
+def _versioned_entry(request: Request, name: str, version: str | None) -> Any:
+    """The model's store entry; 404 when a version is asked for that is not the bundle's (metadata.json)."""
+    entry = request.app.state.store.entry(name)
+    if version is not None and version != entry.version:
+        have = f"version {entry.version}" if entry.version else "no version"
+        raise ApiError(404, "unknown_version", f"model {name!r} has {have}, not {version!r}")
+    return entry
+
+
 @router.get("/models/{name}", dependencies=[Depends(require("infer"))])
 @router.get("/models/{name}/versions/{version}", dependencies=[Depends(require("infer"))])
 async def model_metadata(request: Request, name: str, version: str | None = None) -> dict[str, Any]:
-    entry = request.app.state.store.entry(name)
+    entry = _versioned_entry(request, name, version)
     channels = _in_channels(entry.predictor.network) if entry.predictor is not None else -1
     return {
         "name": name, "versions": [entry.version] if entry.version else [], "platform": "pytorch_monai_bundle",
@@ -80,7 +89,7 @@ async def model_metadata(request: Request, name: str, version: str | None = None
 @router.get("/models/{name}/ready", dependencies=[Depends(require("infer"))])
 @router.get("/models/{name}/versions/{version}/ready", dependencies=[Depends(require("infer"))])
 async def model_ready(request: Request, name: str, version: str | None = None) -> JSONResponse:
-    entry = request.app.state.store.entry(name)
+    entry = _versioned_entry(request, name, version)
     ok = entry.predictor is not None
     return JSONResponse({"name": name, "ready": ok}, 200 if ok else 400)
 
@@ -163,7 +172,7 @@ def _binary_output(req: dict[str, Any]) -> bool:
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    if app_state.store.entry(name).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
+    if _versioned_entry(request, name, version).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
         raise ApiError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
     body = await limited(request, app_state.config.max_upload_bytes).body()
     req, binary = _parse_request(request.headers, body)

@@ -320,6 +320,8 @@ def test_malformed_input_fields_give_400_not_500(thr_server, tmp_path: Path) -> 
     upload = r.headers["Location"].rsplit("/", 1)[-1]
     r = httpx.post(url, json={"upload": upload, "format": ["seg"]})
     assert r.status_code == 400 and r.json()["error"] == "bad_format" and "['seg']" in r.json()["message"]
+    r = httpx.post(url, json={"upload": "no-such-upload", "format": 5})  # the format is checked first
+    assert r.status_code == 400 and r.json()["error"] == "bad_format", r.text
     r = httpx.post(thr_server.url + "/v1/jobs", json={"upload": upload, "model": 5})
     assert r.status_code == 400 and r.json()["error"] == "bad_model_name" and "5" in r.json()["message"]
 
@@ -465,3 +467,17 @@ def test_an_empty_stow_answer_is_success(tmp_path: Path) -> None:
     with FakeDicomWeb() as store:
         store.stow_answer = (200, "")
         assert DicomWebClient(store.url, 10).store([seg]) == {}
+
+
+def test_an_unforeseen_failure_is_a_json_500_without_internals(thr_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    from medserve.server.store import ModelEntry
+
+    def fail(self: ModelEntry) -> dict:
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(ModelEntry, "summary", fail)
+    r = httpx.get(thr_server.url + "/v1/models/thr")
+    assert r.status_code == 500 and r.json()["error"] == "internal_error", r.text
+    assert "RuntimeError" in r.json()["message"] and "secret" not in r.text
+    v2 = httpx.get(thr_server.url + "/v2/models/thr/versions/1/ready")  # another route still answers
+    assert v2.status_code == 404 and "not '1'" in v2.json()["error"]

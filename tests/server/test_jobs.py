@@ -702,3 +702,31 @@ def test_a_result_removed_from_the_data_dir_is_a_json_410(thr_server, study: Pat
     assert r.status_code == 410 and r.json() == {
         "error": "result_gone", "message": f"job {job['id']}'s seg result is no longer on the server"}, r.text
     assert httpx.get(f"{url}/v1/jobs/{job['id']}/result?format=nifti").status_code == 200
+
+
+def test_a_folder_of_other_files_is_refused_as_data_dir(base_config, tmp_path: Path) -> None:
+    """A start empties tmp/ and removes unknown folders under jobs/: a folder that is not medserve's is refused
+    before anything in it is touched; one that holds a job database is medserve's, whatever else is there."""
+    from medserve.server.lock import ForeignDataDir
+
+    home = tmp_path / "home"
+    (home / "tmp").mkdir(parents=True)
+    (home / "tmp" / "important.txt").write_text("keep me")
+    (home / "notes.txt").write_text("mine")
+    with pytest.raises(ForeignDataDir, match=r"holds files medserve did not write \(notes.txt\)"):
+        create_app(replace(base_config, data_dir=home))
+    assert (home / "tmp" / "important.txt").read_text() == "keep me"
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "tmp"]
+    (home / "notes.txt").unlink()  # only what a server writes: medserve's
+    _start_and_stop(create_app(replace(base_config, data_dir=home)))
+    assert (home / "jobs.sqlite").is_file() and not (home / "tmp" / "important.txt").exists()
+    (home / "notes.txt").write_text("added later, beside the database")
+    _start_and_stop(create_app(replace(base_config, data_dir=home)))
+
+
+def _start_and_stop(app) -> None:  # noqa: ANN001
+    async def lifespan() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    asyncio.run(lifespan())

@@ -23,6 +23,12 @@ def test_tritonclient_json_and_binary(make_server) -> None:
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("demo")
     meta = client.get_model_metadata("demo")
     assert meta["inputs"][0]["name"] == "INPUT" and meta["inputs"][0]["shape"][1] == 1
+    version = meta["versions"][0]  # the bundle's metadata.json version; no other is served
+    assert client.get_model_metadata("demo", model_version=version)["versions"] == [version]
+    assert client.is_model_ready("demo", model_version=version)
+    with pytest.raises(InferenceServerException, match=f"has version {version}, not '9'"):
+        client.get_model_metadata("demo", model_version="9")
+    assert not client.is_model_ready("demo", model_version="9")
 
     rng = np.random.default_rng(0)
     batch = rng.random((1, 1, 32, 32, 16), dtype=np.float32)
