@@ -250,14 +250,17 @@ def test_overlapping_masks_are_refused_naming_the_channels(tmp_path):
         BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
 
 
-def test_unthresholded_multi_label_output_is_refused(tmp_path):
-    bundle = sigmoid_bundle(tmp_path / "probabilities", {"0": "air", "1": "organ"},
-                            [("<", -500.0), (">", THRESHOLD_HU)])
+@pytest.mark.parametrize(("channel_def", "masks"), [
+    ({"0": "air", "1": "organ"}, [("<", -500.0), (">", THRESHOLD_HU)]),
+    ({"0": "organ"}, [(">", THRESHOLD_HU)]),  # one sigmoid mask is not rounded at 0.5 either
+])
+def test_unthresholded_multi_label_output_is_refused(tmp_path, channel_def, masks):
+    bundle = sigmoid_bundle(tmp_path / "probabilities", channel_def, masks)
     config = json.loads((bundle / "configs" / "inference.json").read_text())
     config["postprocessing"]["transforms"].pop()  # the threshold
     (bundle / "configs" / "inference.json").write_text(json.dumps(config))
-    with pytest.raises(InferenceError, match=r"'pred' \(2 channels\) holds values other than 0 and 1; expected "
-                                             r"binary masks"):
+    with pytest.raises(InferenceError, match=rf"'pred' \({len(masks)} channels\) holds values other than 0 and 1; "
+                                             r"expected binary masks"):
         BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
 
 
@@ -511,6 +514,26 @@ def test_metadata_whose_data_format_is_not_made_of_objects_is_refused_naming_the
     with pytest.raises(BundleError, match=rf"^{re.escape(str(metadata_path))}: {re.escape(field)} is {found}; "
                                           r"expected a JSON object$"):
         BundlePredictor.from_dir(bundle, device="cpu")
+
+
+@pytest.mark.parametrize(("name", "found"), [("", "blank"), ("  ", "blank"), (None, "null"),
+                                           (["liver", "organ"], "a JSON array")])
+def test_an_output_channel_without_a_name_is_refused_naming_the_channel(tmp_path, threshold_bundle, name, found):
+    """Segment labels are made of these names: a blank one would make an invalid SEG (SegmentLabel is Type 1)."""
+    bundle = tmp_path / "unnamed"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata_path = bundle / "configs" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["network_data_format"]["outputs"]["pred"]["channel_def"] = {"0": "background", "1": name}
+    metadata_path.write_text(json.dumps(metadata))
+    with pytest.raises(BundleError, match=rf'^{re.escape(str(metadata_path))}: network_data_format.outputs.pred.'
+                                          rf'channel_def\["1"\] is {found}; expected the name of what the channel'):
+        BundlePredictor.from_dir(bundle, device="cpu")
+
+
+def test_a_bundle_given_as_the_working_directory_is_named_by_its_folder(threshold_bundle, monkeypatch):
+    monkeypatch.chdir(threshold_bundle)
+    assert BundlePredictor.from_dir(".", device="cpu").name == threshold_bundle.name
 
 
 # ---- device: refused when the predictor is created, naming what was asked for and what exists ----------------

@@ -216,15 +216,15 @@ def test_seg_without_what_it_must_refer_to_is_refused_naming_the_file(tmp_path, 
         build_seg(label_map, loaded.source_datasets, {1: "spleen"}, Algorithm("a", "1"))
 
 
-def test_long_names_and_backslashes_become_valid_single_values(tmp_path):
+def test_long_names_backslashes_and_control_characters_become_valid_single_values(tmp_path):
     series, volume = study(tmp_path / "study")
     long_name, long_version = "bundle_" + "x" * 70, "1." * 40
-    seg = build_seg(multi_label(volume), volume.source_datasets, {1: "core\\rim", 2: "y" * 80},
+    seg = build_seg(multi_label(volume), volume.source_datasets, {1: "core\\rim", 2: "y" * 80, 3: "left\tlobe\n"},
                     Algorithm(long_name, long_version))
     path = write_seg(seg, tmp_path / "seg.dcm")
     assert dciodvfy_errors(path) == []
     back = hd.seg.segread(path)
-    assert [d.SegmentLabel for d in back.SegmentSequence][:2] == ["core/rim", "y" * 64]
+    assert [d.SegmentLabel for d in back.SegmentSequence][:3] == ["core/rim", "y" * 64, "left lobe"]
     algorithm = back.SegmentSequence[0].SegmentationAlgorithmIdentificationSequence[0]
     assert (algorithm.AlgorithmName, algorithm.AlgorithmVersion) == (long_name[:64], long_version[:64])
 

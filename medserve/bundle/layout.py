@@ -27,7 +27,8 @@ class BundleLayout:
 
     @property
     def name(self) -> str:
-        return self.root.name
+        """The bundle's folder name (what the server calls the model): also for a root given as '.'."""
+        return self.root.resolve().name
 
     @property
     def version(self) -> str:
@@ -109,17 +110,29 @@ def _check_data_format(metadata: dict[str, Any], path: Path) -> None:
         for key, entry in _object(data_format[section], path, field).items():
             entry = _object(entry, path, f"{field}.{key}")
             if "channel_def" in entry:
-                _object(entry["channel_def"], path, f"{field}.{key}.channel_def")
+                channel_def = _object(entry["channel_def"], path, f"{field}.{key}.channel_def")
+                if section == "outputs":  # segment labels are made of these names
+                    for channel, name in channel_def.items():
+                        _name(name, path, f"{field}.{key}.channel_def[{json.dumps(channel)}]")
 
 
 def _object(value: Any, path: Path, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
-        found = "null" if value is None else f"a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}"
-        raise BundleError(f"{path}: {field} is {found}; expected a JSON object")
+        raise BundleError(f"{path}: {field} is {_object_found(value)}; expected a JSON object")
     return value
 
 
-_JSON_TYPES = {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+def _name(value: Any, path: Path, field: str) -> None:
+    if not isinstance(value, str) or not value.strip():
+        found = "blank" if isinstance(value, str) else _object_found(value)
+        raise BundleError(f"{path}: {field} is {found}; expected the name of what the channel holds")
+
+
+def _object_found(value: Any) -> str:
+    return "null" if value is None else f"a JSON {_JSON_TYPES.get(type(value), type(value).__name__)}"
+
+
+_JSON_TYPES = {list: "array", dict: "object", str: "string", int: "number", float: "number", bool: "boolean"}
 
 
 def _names_background(name: Any) -> bool:

@@ -367,7 +367,7 @@ class BundlePredictor:
     def _label_map(self, scores: torch.Tensor, volume: hd.Volume) -> np.ndarray:
         shape = tuple(volume.array.shape)
         grid = scores.affine if isinstance(scores, MetaTensor) else None
-        if scores.ndim == 4 and scores.shape[0] > 1 and self.multi_label:
+        if scores.ndim == 4 and self.multi_label:  # one sigmoid mask too: left unthresholded, it is refused
             scores = self._masks_as_labels(scores)
         elif scores.ndim == 4 and scores.shape[0] > 1:
             scores = class_indices(scores)  # the bundle left class scores: take the winning class

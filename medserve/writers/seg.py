@@ -241,8 +241,9 @@ def _declare_character_set(segmentation: hd.seg.Segmentation, texts: list[str]) 
 
 
 def _long_string(text: str) -> str:
-    """`text` as one DICOM LO value: a backslash would split it into several values, and LO holds 64 characters."""
-    return text.replace("\\", "/")[:64]
+    """`text` as one DICOM LO value: a backslash would split it into several values, LO holds no control
+    characters (tabs, line breaks) and at most 64 characters."""
+    return re.sub(r"[\x00-\x1f\x7f]+", " ", text.replace("\\", "/")).strip()[:64]
 
 
 def _frames_shape(source: list[Dataset]) -> tuple[int, int, int] | None:
