@@ -13,6 +13,10 @@ class DicomInputError(MedserveError):
     """The DICOM input (folder, file, series) cannot be used."""
 
 
+class NiftiInputError(MedserveError):
+    """The NIfTI input (the server's other input format) cannot be used."""
+
+
 class SelectionError(MedserveError):
     """No series matched the selection rules, or the rules are malformed."""
 

@@ -21,7 +21,7 @@ from medserve.bundle.predictor import BundlePredictor
 from medserve.dicom.index import index_folder, is_multiframe_dataset
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import LoadedSeries, load_series, lps_affine, multiframe_geometry
-from medserve.errors import DicomInputError
+from medserve.errors import NiftiInputError
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
 
@@ -116,16 +116,23 @@ def volume_from_nifti(path: Path) -> hd.Volume:
     """A NIfTI image as a (slice, row, column) LPS volume, the same convention as DICOM input."""
     try:
         image = nib.load(str(path))
+        if image.get_data_dtype().kind == "c":  # the cast below would drop the imaginary part
+            raise NiftiInputError(f"{path}: NIfTI image has complex voxels ({image.get_data_dtype()}); expected "
+                                  f"real numbers")
         array = np.asarray(image.dataobj, dtype=np.float32)
+    except NiftiInputError:
+        raise
     except Exception as error:  # nibabel raises ImageFileError, EOFError, zlib errors on damaged files
-        raise DicomInputError(f"{path}: not a readable NIfTI image ({error})") from error
+        raise NiftiInputError(f"{path}: not a readable NIfTI image ({error})") from error
     if array.ndim != 3:
-        raise DicomInputError(f"{path}: NIfTI image has {array.ndim} dimensions; expected a 3D volume")
+        raise NiftiInputError(f"{path}: NIfTI image has {array.ndim} dimensions; expected a 3D volume")
+    if not np.isfinite(array).all():
+        raise NiftiInputError(f"{path}: NIfTI image holds NaN or infinite voxels; expected finite intensities")
     try:  # highdicom refuses an affine whose axes are not orthogonal with finite, non-zero spacings
         return hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=lps_affine(image.affine),
                          coordinate_system="PATIENT")
     except ValueError as error:
-        raise DicomInputError(f"{path}: NIfTI affine {np.round(image.affine, 4).tolist()} is not a rotation and "
+        raise NiftiInputError(f"{path}: NIfTI affine {np.round(image.affine, 4).tolist()} is not a rotation and "
                               f"scaling of the voxel grid; expected orthogonal axes with non-zero spacings "
                               f"({error})") from error
 

@@ -24,7 +24,7 @@ from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import load_series, ordered_instances, ras_affine, series_to_volume
-from medserve.errors import DicomInputError, VolumeError
+from medserve.errors import DicomInputError, NiftiInputError, VolumeError
 from medserve.pipeline import volume_from_nifti
 
 
@@ -605,6 +605,18 @@ def test_a_nifti_affine_that_is_no_voxel_grid_is_refused_naming_the_file(tmp_pat
     image.header.set_qform(None, code=0)
     image.header.set_sform(affine, code=2)
     nib.save(image, tmp_path / "bad.nii")
-    with pytest.raises(DicomInputError, match=rf"^{tmp_path / 'bad.nii'}: NIfTI affine .* is not a rotation and "
+    with pytest.raises(NiftiInputError, match=rf"^{tmp_path / 'bad.nii'}: NIfTI affine .* is not a rotation and "
                                               r"scaling of the voxel grid"):
         volume_from_nifti(tmp_path / "bad.nii")
+
+
+@pytest.mark.parametrize(("voxels", "expected"), [
+    (np.full((4, 5, 6), np.nan, np.float32), "holds NaN or infinite voxels; expected finite intensities"),
+    (np.where(np.arange(120).reshape(4, 5, 6) == 7, np.inf, 0.0), "holds NaN or infinite voxels"),
+    (np.zeros((4, 5, 6), np.complex64), r"has complex voxels \(complex64\); expected real numbers"),
+    (np.zeros((4, 5, 6, 2), np.float32), "has 4 dimensions; expected a 3D volume"),
+], ids=["nan", "inf", "complex", "4d"])
+def test_a_nifti_volume_that_is_not_real_finite_3d_is_refused_naming_the_file(tmp_path, voxels, expected):
+    nib.save(nib.Nifti1Image(voxels, NIFTI_AFFINE), tmp_path / "odd.nii.gz")
+    with pytest.raises(NiftiInputError, match=rf"^{tmp_path / 'odd.nii.gz'}: NIfTI image {expected}"):
+        volume_from_nifti(tmp_path / "odd.nii.gz")

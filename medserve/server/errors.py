@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from medserve.errors import (BundleError, DicomInputError, InferenceError, InferenceOutOfMemory, MedserveError,
-                             OutputError, SelectionError, VolumeError)
+                             NiftiInputError, OutputError, SelectionError, VolumeError)
 
 log = logging.getLogger("medserve.server.errors")
 
@@ -37,6 +37,7 @@ class ApiError(Exception):
 # own data folder (500). The first matching class wins.
 _CORE_CODES: list[tuple[type[MedserveError], int, str]] = [
     (DicomInputError, 400, "bad_dicom"),
+    (NiftiInputError, 400, "bad_nifti"),
     (SelectionError, 422, "no_matching_series"),
     (VolumeError, 422, "bad_volume"),
     (InferenceOutOfMemory, 503, "out_of_memory"),
