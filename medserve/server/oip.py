@@ -172,7 +172,8 @@ def _binary_output(req: dict[str, Any]) -> bool:
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    if _versioned_entry(request, name, version).is_map:  # a MAP runs whole studies in a container; it has no tensor entry point
+    # A MAP runs whole studies in a container; it has no tensor entry point.
+    if _versioned_entry(request, name, version).is_map:
         raise ApiError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
     body = await limited(request, app_state.config.max_upload_bytes).body()
     req, binary = _parse_request(request.headers, body)
