@@ -12,6 +12,7 @@ from pathlib import Path
 import highdicom as hd
 import nibabel as nib
 import numpy as np
+import pydicom
 import pytest
 from monai.deploy.core import Fragment
 from monai.deploy.core.domain.image import Image
@@ -409,3 +410,19 @@ def test_graphs_of_stock_operators_and_ours_write_the_right_seg(tmp_path, thresh
         written = nib.load(out / "labels.nii.gz")
         np.testing.assert_array_equal(np.asarray(written.dataobj).transpose(2, 1, 0), expected)
         np.testing.assert_allclose(written.affine, ras_affine(volume), rtol=0, atol=1e-4)
+
+
+def test_stock_attributes_the_stock_code_cannot_convert_are_left_unset():
+    """The stock loader's attribute copying calls int() on SeriesNumber and reads two PixelSpacing values unguarded:
+    an empty Type 2 SeriesNumber (as anonymisers leave it) or a one-value spacing must not crash our Image."""
+    from pydicom.data import get_testdata_file
+
+    from operators.sdk_domain import sdk_series
+
+    header = pydicom.dcmread(get_testdata_file("CT_small.dcm"), stop_before_pixels=True)
+    header.SeriesNumber, header.PixelSpacing = None, [0.5]
+    series = sdk_series("1.2.3", [header])
+    assert series.SeriesNumber is None and series.row_pixel_spacing is None
+    assert header.SeriesNumber is None and header.PixelSpacing == 0.5  # the header itself is untouched
+    intact = sdk_series("1.2.3", [pydicom.dcmread(get_testdata_file("CT_small.dcm"), stop_before_pixels=True)])
+    assert intact.SeriesNumber == 1 and intact.row_pixel_spacing == pytest.approx(0.661468)

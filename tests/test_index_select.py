@@ -91,6 +91,18 @@ def test_files_without_the_preamble_are_read_with_or_without_file_meta(tmp_path,
     assert len(study.selected_series[0].series.get_sop_instances()) == 4
 
 
+def test_a_file_meta_without_its_transfer_syntax_is_read_as_the_body_is_encoded(tmp_path):
+    """The preamble and "DICM", then a file meta that lacks (0002,0010): the body's encoding is the syntax."""
+    phantom = make_phantom(shape=(3, 16, 16), seed=3)
+    written = write_ct_series(phantom.hu, tmp_path / "study")
+    expected = series_to_volume(select_series(index_folder(tmp_path / "study"))[0].series).array
+    dataset = pydicom.dcmread(written.paths[1])
+    del dataset.file_meta.TransferSyntaxUID
+    dataset.save_as(written.paths[1], enforce_file_format=False, implicit_vr=False, little_endian=True)
+    np.testing.assert_array_equal(series_to_volume(select_series(index_folder(tmp_path / "study"))[0].series).array,
+                                  expected)
+
+
 @pytest.mark.parametrize("content", [
     np.array([8, 0, 3, 3, 1, 0, 0, 0] * 40, dtype=np.int16).tobytes(),  # a raw int16 volume whose first voxel is 8
     b"\x02\x00" + bytes(510),  # a raw uint8 mask

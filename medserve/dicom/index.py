@@ -164,8 +164,8 @@ def read_dataset(instance: Instance, **options: Any) -> Dataset:
 
 def _read(source: Path | BinaryIO, without_preamble: bool, **options: Any) -> Dataset:
     dataset = pydicom.dcmread(source, force=without_preamble, **options)
-    if without_preamble and not dataset.file_meta.get("TransferSyntaxUID"):
-        # No file meta either: the encoding pydicom found is the transfer syntax (pixels are read by it).
+    if not dataset.file_meta.get("TransferSyntaxUID"):
+        # No file meta (or one without it): the encoding pydicom found is the transfer syntax, as pixels are read.
         dataset.file_meta.TransferSyntaxUID = (
             ImplicitVRLittleEndian if dataset.original_encoding[0] else ExplicitVRLittleEndian)
     return dataset
