@@ -144,25 +144,17 @@ class JobQueue:
         requeued = self._exec(
             "UPDATE jobs SET state='queued', progress=0, stage='requeued after a server restart' "
             "WHERE state='running' RETURNING id")
-        for row in requeued + failed:
+        for row in requeued:
             shutil.rmtree(self.root / row["id"] / "result.tmp", ignore_errors=True)
             shutil.rmtree(self.root / row["id"] / "work", ignore_errors=True)
-        for row in failed:
-            shutil.rmtree(self.root / row["id"] / "result", ignore_errors=True)  # a failed job has no result
-            self._drop_input(row["id"])
         if requeued or failed:
             log.warning("recovered after restart: %d jobs requeued, %d failed", len(requeued), len(failed))
-        # A job cancelled while it ran, whose worker died before it noticed: its row is final, its files are not.
-        for row in self._exec("SELECT id, state FROM jobs WHERE state IN ('failed', 'cancelled')"):
-            folder = self.root / row["id"]
-            if folder.is_dir():
-                for leftover in ("result.tmp", "work", "result"):
-                    shutil.rmtree(folder / leftover, ignore_errors=True)
-                self._drop_input(row["id"])
-        # A job folder without a row: the server stopped while the request was still saving its input.
-        known = {row["id"] for row in self._exec("SELECT id FROM jobs")}
+        # Gone whole: a job folder without a row (the server stopped while the request was still saving its input),
+        # and one of a job that ended without a result (failed just above; cancelled while it ran, its worker dead
+        # before it noticed), which keeps no folder.
+        kept = {row["id"] for row in self._exec("SELECT id FROM jobs WHERE state NOT IN ('failed', 'cancelled')")}
         for folder in self.root.iterdir():
-            if folder.is_dir() and folder.name not in known:
+            if folder.is_dir() and folder.name not in kept:
                 shutil.rmtree(folder, ignore_errors=True)
 
     def _drop_input(self, job_id: str) -> None:
