@@ -7,6 +7,7 @@ from pathlib import Path
 from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
 
 from medserve.dicom.index import index_folder
+from medserve.errors import DicomInputError
 from operators.failures import reports_failures
 
 
@@ -35,4 +36,7 @@ class DicomLoaderOperator(Operator):
     @reports_failures
     def compute(self, op_input, op_output, context):
         folder = op_input.receive("input_folder") or self.input_folder
+        if folder is None:
+            raise DicomInputError(f"operator {self.name}: no input folder; pass input_folder= or connect an "
+                                  f"operator to its input_folder port")
         op_output.emit(index_folder(folder, self.exclude), "study_index")

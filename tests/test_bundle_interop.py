@@ -24,8 +24,9 @@ from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import load_series, ras_affine
-from medserve.errors import BundleError
+from medserve.errors import BundleError, DicomInputError
 from operators.bundle_inference import BundleInferenceOperator
+from operators.dicom_loader import DicomLoaderOperator
 from operators.failures import run_record
 from operators.nifti_writer import NiftiWriterOperator
 from operators.seg_writer import SegWriterOperator
@@ -119,6 +120,18 @@ class Emitter:
 
     def emit(self, value, name):
         self.emitted[name] = value
+
+
+def test_loader_without_an_input_folder_says_so():
+    fragment = Fragment()
+    loader = DicomLoaderOperator(fragment, name="loader")
+    output = Emitter()
+    loader.compute(Receiver(input_folder=None), output, None)
+    failure = run_record(fragment).failure
+    assert isinstance(failure.error, DicomInputError) and failure.exit_status == 2
+    assert str(failure.error) == ("operator loader: no input folder; pass input_folder= or connect an operator to its "
+                                  "input_folder port")
+    assert output.emitted == {}
 
 
 def test_operator_accepts_a_stock_image_and_refuses_other_types(tmp_path, threshold_bundle):

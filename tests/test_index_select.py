@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 
+import highdicom as hd
 import numpy as np
 import pydicom
 import pydicom.uid
@@ -209,6 +211,35 @@ def test_image_without_its_series_uid_is_refused_saying_which_uid(tmp_path):
         index_folder(tmp_path / "study")
 
 
+def _object_outside_any_study(sop_class: str) -> pydicom.Dataset:
+    dataset = pydicom.Dataset()
+    dataset.SOPClassUID, dataset.SOPInstanceUID = sop_class, pydicom.uid.generate_uid()
+    dataset.ContentLabel = "PALETTE"
+    dataset.file_meta = pydicom.dataset.FileMetaDataset()
+    dataset.file_meta.MediaStorageSOPClassUID, dataset.file_meta.MediaStorageSOPInstanceUID = (
+        dataset.SOPClassUID, dataset.SOPInstanceUID)
+    dataset.file_meta.TransferSyntaxUID = ExplicitVRLittleEndian
+    return dataset
+
+
+def test_objects_outside_any_study_are_skipped_but_an_image_without_uids_is_refused(two_series_study, caplog):
+    """A Color Palette or Hanging Protocol has no study or series, as its IOD says: the stock loader skips it. An
+    object of an image class without them is damaged, as before."""
+    _object_outside_any_study("1.2.840.10008.5.1.4.39.1").save_as(two_series_study / "palette.dcm",
+                                                                     enforce_file_format=True)
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.index"):
+        index = index_folder(two_series_study)
+    assert sorted(len(s.instances) for s in index.all_series) == [3, 16]
+    reason = "no StudyInstanceUID/SeriesInstanceUID (Color Palette Storage, not an image)"
+    assert (two_series_study / "palette.dcm", reason) in index.skipped
+    assert f"skipping {two_series_study / 'palette.dcm'}: {reason}" in caplog.messages
+    _object_outside_any_study(pydicom.uid.CTImageStorage).save_as(two_series_study / "cut.dcm",
+                                                                  enforce_file_format=True)
+    with pytest.raises(DicomInputError, match=r"cut.dcm: corrupt or truncated DICOM file, or an incomplete object: "
+                                              r"StudyInstanceUID and SeriesInstanceUID missing$"):
+        index_folder(two_series_study)
+
+
 def test_default_rules_pick_the_largest_ct_series(two_series_study):
     [choice] = select_series(index_folder(two_series_study))
     assert choice.series.description == "Abdomen 3mm"
@@ -234,6 +265,24 @@ def test_default_rules_leave_aside_a_larger_series_that_is_no_volume(two_series_
     assert choice.series.description == "Abdomen 3mm"
     [record] = [r for r in caplog.records if "left aside" in r.getMessage()]
     assert len(record.series) == 1 and "duplicated slice" in record.series[0], record.series
+
+
+def test_default_rules_leave_aside_a_larger_enhanced_object_holding_several_phases(two_series_study, caplog):
+    """An Enhanced object's frames are checked as a single-frame series' slices are: two phases at each position
+    form no volume, so the valid single-frame CT is taken rather than the run failing on the larger object."""
+    study_uid = pydicom.dcmread(next((two_series_study / "scout").iterdir())).StudyInstanceUID
+    write_repeated_positions_series(two_series_study / "dwi", study_uid, repeats=3)  # 18 frames > 16 slices
+    legacy = [pydicom.dcmread(path) for path in sorted((two_series_study / "dwi").iterdir())]
+    shutil.rmtree(two_series_study / "dwi")
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=legacy, series_instance_uid=pydicom.uid.generate_uid(), series_number=7,
+        sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    enhanced.save_as(two_series_study / "enhanced.dcm")
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.select"):
+        [choice] = select_series(index_folder(two_series_study))
+    assert choice.series.description == "Abdomen 3mm"
+    [record] = [r for r in caplog.records if "left aside" in r.getMessage()]
+    assert "multi-frame image does not form a regular volume" in record.series[0], record.series
 
 
 def test_default_rules_name_the_series_left_aside_when_none_forms_a_volume(tmp_path):

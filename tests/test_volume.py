@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -299,6 +300,32 @@ def test_irregular_spacing_is_refused(tmp_path, phantom):
         volume_of(tmp_path)
 
 
+def test_oblique_thin_slices_with_rounded_positions_and_orientation_form_a_volume(tmp_path, phantom):
+    """Scanners and anonymisers round ImagePositionPatient to 2 decimals and ImageOrientationPatient to a few: on
+    oblique 0.5 mm slices that is more than 1 % of the spacing, and the cosines are orthogonal to about 1e-3."""
+    geometry = SeriesGeometry(origin=(12.5, -40.0, 310.0), orientation=ORIENTATIONS["oblique"],
+                              pixel_spacing=(0.7, 0.7), slice_spacing=0.5)
+    written = write_ct_series(phantom.hu, tmp_path, geometry)
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.ImagePositionPatient = [f"{float(v):.2f}" for v in dataset.ImagePositionPatient]
+        dataset.ImageOrientationPatient = [f"{float(v):.3f}" for v in dataset.ImageOrientationPatient]
+        dataset.save_as(path)
+    volume = volume_of(tmp_path)
+    np.testing.assert_allclose(volume.affine, geometry.affine(), atol=0.01)
+    np.testing.assert_allclose(volume.array, phantom.hu, atol=0.5)
+
+
+def test_irregular_thin_slices_are_refused_beyond_position_rounding(tmp_path, phantom):
+    written = write_ct_series(phantom.hu, tmp_path, SeriesGeometry(slice_spacing=0.5))
+    for k, path in enumerate(written.paths):
+        dataset = pydicom.dcmread(path)
+        dataset.ImagePositionPatient[2] = float(dataset.ImagePositionPatient[2]) + (0.05 if k % 2 else 0.0)
+        dataset.save_as(path)
+    with pytest.raises(VolumeError, match="irregular"):
+        volume_of(tmp_path)
+
+
 def test_a_tilted_stack_is_refused_saying_so(tmp_path, phantom):
     written = _write(tmp_path, phantom)
     for path in written.paths:
@@ -568,6 +595,16 @@ def test_headers_that_do_not_describe_a_volume_are_refused_naming_the_file(tmp_p
         _edit_every_file(written, edit)
     with pytest.raises(VolumeError, match=r"IM\d+\.dcm: .*" + message):
         volume_of(tmp_path)
+
+
+def test_padding_bytes_after_the_frame_are_ignored_with_a_warning(tmp_path, phantom, caplog):
+    """Some writers pad Pixel Data beyond the frame (to a block size, say); pydicom and the stock read the frame."""
+    written = _write(tmp_path, phantom)
+    _edit_every_file(written, lambda dataset: setattr(dataset, "PixelData", dataset.PixelData + bytes(64)))
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.pixels"):
+        volume = volume_of(tmp_path)
+    np.testing.assert_allclose(volume.array, phantom.hu, atol=0.5)
+    assert any("pixel data holds 64 bytes after its" in message for message in caplog.messages)
 
 
 def test_an_enhanced_object_of_one_frame_is_read_as_multi_frame(tmp_path, phantom):

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 import pydicom
 from pydicom.dataset import Dataset
 from pydicom.errors import InvalidDicomError
-from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian
+from pydicom.uid import UID, ExplicitVRLittleEndian, ImplicitVRLittleEndian
 from pydicom.valuerep import VR
 
 from medserve.dicom.memory import VolumeMemory
@@ -202,13 +202,13 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         study_uid = uid_value(dataset, "StudyInstanceUID")
         series_uid = uid_value(dataset, "SeriesInstanceUID")
         if not study_uid or not series_uid:
-            if not instance.without_preamble:  # parsed without force: it has the preamble
-                # pydicom returns what it could read of a cut file; an object without its UIDs is damaged.
+            if not instance.without_preamble and _is_image(instance):  # parsed without force: it has the preamble
+                # pydicom returns what it could read of a cut file; an image without its UIDs is damaged.
                 missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
                                                        ("SeriesInstanceUID", series_uid)) if not v)
                 raise DicomInputError(f"{path}: corrupt or truncated DICOM file, or an incomplete object: {missing} "
                                       "missing")
-            _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
+            _skip(skipped, path, f"no StudyInstanceUID/SeriesInstanceUID ({_sop_class_name(dataset)}, not an image)")
             continue
         if not uid_value(dataset, "SOPInstanceUID"):
             # Every result references its source images by this UID (a SEG cannot be written without it).
@@ -229,6 +229,25 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         raise DicomInputError(f"no DICOM files found in {root} ({len(skipped)} file(s) skipped: {reasons})")
     log.info("indexed folder", extra={"root": str(root), "series": len(series_by_uid), "skipped": len(skipped)})
     return StudyIndex(root=root, studies=list(studies.values()), skipped=skipped)
+
+
+def _is_image(instance: Instance) -> bool:
+    """Whether a file holds, or by its SOP class should hold, an image. Objects of other classes may lack study
+    and series (a Color Palette, a Hanging Protocol): the stock loader skips them, and so do we."""
+    sop_class = _sop_class(instance.dataset)
+    return instance.pixel_data_offset is not None or sop_class is None or "Image Storage" in sop_class.name
+
+
+def _sop_class(dataset: Dataset) -> UID | None:
+    value = uid_value(dataset.file_meta, "MediaStorageSOPClassUID") or uid_value(dataset, "SOPClassUID")
+    return UID(value) if value else None
+
+
+def _sop_class_name(dataset: Dataset) -> str:
+    sop_class = _sop_class(dataset)
+    if sop_class is None:
+        return "no SOP class"
+    return sop_class.name if sop_class.name != sop_class else f"SOP class {sop_class}"  # unknown: name is the UID
 
 
 def _files_under(root: Path, exclude: Path | str | None = None) -> list[Path]:

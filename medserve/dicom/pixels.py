@@ -10,6 +10,7 @@ series has one or a few, and pydicom's attribute access costs more than reading 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossl
 from medserve.dicom.index import Instance, read_dataset
 from medserve.dicom.values import decimal_values, integer_value, stored_bytes, uid_value
 from medserve.errors import VolumeError
+
+log = logging.getLogger("medserve.dicom.pixels")
 
 # Read from the stored offset. Deflated Explicit VR (1.2.840.10008.1.2.1.99) is not here: its Pixel Data is
 # inside the deflated stream, so pydicom reads it whole.
@@ -153,9 +156,12 @@ def _read_native_slice(instance: Instance, pixel_format: PixelFormat, out: np.nd
     if declared < expected or len(value) < expected:
         raise VolumeError(f"{instance.path}: pixel data is truncated ({min(len(value), declared)} of "
                           f"{expected} bytes)")
-    if declared > expected + 1:  # one byte of padding to an even length is allowed
+    if declared >= 2 * expected:
         raise VolumeError(f"{instance.path}: pixel data holds {declared} bytes; Rows x Columns x BitsAllocated/8 "
                           f"is {expected}: more than one frame, or Rows/Columns/BitsAllocated are wrong")
+    if declared > expected + 1:  # beyond the one byte that pads to an even length: pydicom ignores it too
+        log.warning("%s: pixel data holds %d bytes after its %d-byte frame; ignoring them", instance.path,
+                    declared - expected, expected)
     raw = np.frombuffer(value, dtype=pixel_format.dtype, count=out.size)
     _rescale_into(pixel_format, _mask_stored_bits(pixel_format, raw).reshape(out.shape), out)
 

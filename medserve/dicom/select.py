@@ -75,7 +75,7 @@ from pydicom.dataset import Dataset
 from pydicom.tag import Tag
 
 from medserve.dicom.index import Series, Study, StudyIndex
-from medserve.dicom.volume import ordered_instances
+from medserve.dicom.volume import multiframe_geometry, ordered_instances
 from medserve.errors import SelectionError, VolumeError
 
 log = logging.getLogger("medserve.dicom.select")
@@ -308,10 +308,14 @@ def select_series(index: StudyIndex, rules: str | Path | dict[str, Any] | None =
 
 
 def _not_a_volume(series: Series) -> VolumeError | None:
-    """Why the headers of `series` do not form a volume (a DWI's repeated positions, a localizer's planes), or
-    None when they do. Checked before any pixels are read, as `load_series` will check them."""
+    """Why the headers of `series` do not form a volume (a DWI's repeated positions, a localizer's planes, an
+    Enhanced object holding several phases), or None when they do. Checked before any pixels are read, as
+    `load_series` will check them."""
     try:
-        ordered_instances(series)
+        if series.is_multiframe:
+            multiframe_geometry(series.header)
+        else:
+            ordered_instances(series)
     except VolumeError as error:
         return error
     return None

@@ -32,6 +32,12 @@ from medserve.errors import VolumeError
 log = logging.getLogger("medserve.dicom.volume")
 
 _ORIENTATION_TOLERANCE = 1e-4
+# Direction cosines written with 3 decimals (as many scanners and anonymisers do) are unit and orthogonal to
+# within 2 x sqrt(3) x 0.0005.
+_ORTHONORMAL_TOLERANCE = 2e-3
+# Slice positions written with 2 decimals are each off by up to sqrt(3) x 0.005 mm along an oblique normal: on
+# thin slices more than the relative tolerance, so spacing may always vary by this much.
+_POSITION_ROUNDING_MM = 0.02
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
 # Compared as stored bytes across a series' slices: equal bytes, equal (already checked) values.
@@ -94,14 +100,27 @@ def slice_affine(first: pydicom.Dataset, spacing: float) -> np.ndarray:
 
     This is the stock SDK operator's slice order; highdicom's `from_attributes` would stack the other way.
     """
-    orientation = np.asarray(first.ImageOrientationPatient, dtype=np.float64)
+    row, column = _orthonormal(np.asarray(first.ImageOrientationPatient, dtype=np.float64))
     row_spacing, column_spacing = (float(v) for v in first.PixelSpacing)
     affine = np.eye(4)
-    affine[:3, 0] = np.cross(orientation[:3], orientation[3:]) * spacing
-    affine[:3, 1] = orientation[3:] * row_spacing
-    affine[:3, 2] = orientation[:3] * column_spacing
+    affine[:3, 0] = np.cross(row, column) * spacing
+    affine[:3, 1] = column * row_spacing
+    affine[:3, 2] = row * column_spacing
     affine[:3, 3] = np.asarray(first.ImagePositionPatient, dtype=np.float64)
     return affine
+
+
+def _orthonormal(orientation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The row and column cosines as written, the stock operator's too, when they are orthogonal to within what
+    highdicom's Volume accepts; else (3-decimal ones are orthogonal to about 1e-3 only) the orthonormal pair
+    nearest to them: the polar factor of the 3x2 matrix."""
+    row, column = orientation[:3], orientation[3:]
+    if (abs(row @ column) <= _ORIENTATION_TOLERANCE and abs(np.linalg.norm(row) - 1) <= _ORIENTATION_TOLERANCE * 10
+            and abs(np.linalg.norm(column) - 1) <= _ORIENTATION_TOLERANCE * 10):
+        return row, column
+    u, _, vt = np.linalg.svd(orientation.reshape(2, 3).T, full_matrices=False)
+    row, column = (u @ vt).T
+    return row, column
 
 
 def ordered_instances(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> list[Instance]:
@@ -223,9 +242,9 @@ def _checked_reference(instance: Instance, keyword: str, count: int) -> np.ndarr
         raise VolumeError(f"{instance.path}: PixelSpacing {values.tolist()}: expected two positive spacings (mm)")
     if keyword == "ImageOrientationPatient":
         row, column = values[:3], values[3:]
-        if (abs(np.linalg.norm(row) - 1) > _ORIENTATION_TOLERANCE * 10
-                or abs(np.linalg.norm(column) - 1) > _ORIENTATION_TOLERANCE * 10
-                or abs(row @ column) > _ORIENTATION_TOLERANCE):
+        if (abs(np.linalg.norm(row) - 1) > _ORTHONORMAL_TOLERANCE
+                or abs(np.linalg.norm(column) - 1) > _ORTHONORMAL_TOLERANCE
+                or abs(row @ column) > _ORTHONORMAL_TOLERANCE):
             raise VolumeError(f"{instance.path}: ImageOrientationPatient {values.tolist()}: expected two orthogonal "
                               f"unit vectors (row and column direction cosines)")
     return values
@@ -259,10 +278,11 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
         paths = [str(instances[i].path) for i in np.flatnonzero(np.abs(distances - duplicate) < 1e-3)]
         raise VolumeError(f"duplicated slice at {duplicate:.3f} mm along the slice normal: {', '.join(paths)}")
     position_list, orientation_list = positions.tolist(), orientation.tolist()
-    spacing, indices = hd.spatial.get_volume_positions(position_list, orientation_list, rtol=tolerance.rtol,
+    atol = max(tolerance.rtol * gaps.mean(), _POSITION_ROUNDING_MM)  # highdicom's rtol is of the mean spacing
+    spacing, indices = hd.spatial.get_volume_positions(position_list, orientation_list, atol=atol,
                                                        sort=True, handedness=_ALONG_NORMAL)
     if spacing is None or indices is None:
-        spacing_hint, _ = hd.spatial.get_volume_positions(position_list, orientation_list, rtol=tolerance.rtol,
+        spacing_hint, _ = hd.spatial.get_volume_positions(position_list, orientation_list, atol=atol,
                                                           sort=True, handedness=_ALONG_NORMAL,
                                                           allow_missing_positions=True)
         if spacing_hint is not None:
@@ -272,12 +292,12 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
                               f"{where:.3f} mm along the slice normal)")
         in_plane = positions - np.outer(distances, normal)
         shift = float(np.linalg.norm(in_plane - in_plane[np.argmin(distances)], axis=1).max())
-        if gaps.max() - gaps.min() <= tolerance.rtol * gaps.mean() and shift > tolerance.rtol * gaps.mean():
+        if gaps.max() - gaps.min() <= atol and shift > atol:
             raise VolumeError(f"slices are not stacked along their normal: their positions shift by up to "
                               f"{shift:.3f} mm within the slice plane (a gantry tilt or a sheared stack); expected "
                               f"each ImagePositionPatient on the line through the first along the normal")
         raise VolumeError(f"slice spacing is irregular (between {gaps.min():.3f} and {gaps.max():.3f} mm, "
-                          f"tolerance {tolerance.rtol:.0%}) or slices are not stacked along their normal")
+                          f"tolerance {atol:.3f} mm) or slices are not stacked along their normal")
     order = [0] * len(instances)
     for position, volume_index in enumerate(indices):
         order[volume_index] = position
@@ -290,7 +310,8 @@ def multiframe_geometry(dataset: pydicom.Dataset) -> hd.VolumeGeometry:
     the frames by position, whatever order they are stored in. VolumeError when they do not form a volume."""
     name = getattr(dataset, "filename", None) or f"SOP instance {dataset.get('SOPInstanceUID', '?')}"
     try:  # from_dataset without copying converts the object it is given: a shallow copy keeps the caller's as it is
-        geometry = hd.Image.from_dataset(copy.copy(dataset), copy=False).get_volume_geometry()
+        geometry = hd.Image.from_dataset(copy.copy(dataset), copy=False).get_volume_geometry(
+            allow_duplicate_positions=False)  # as get_volume: several phases at one position are no volume
     except Exception as error:  # highdicom raises assorted types on frame layouts it cannot place
         raise VolumeError(f"{name}: multi-frame image does not form a regular volume ({error})") from error
     if geometry is None:
