@@ -680,10 +680,19 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
     try:
         network.load_state_dict(state, strict=True)
     except RuntimeError as error:
-        summary = str(error).split("\n", 1)[-1].strip()[:600]
+        summary = _state_dict_mismatch(error)
         raise BundleError(f"{layout.weights_path}: weights do not fit network_def "
                           f"{type(network).__name__} in {layout.config_path.name}: {summary}") from error
     return network.to(device).eval()
+
+
+def _state_dict_mismatch(error: RuntimeError, shown: int = 4, width: int = 160) -> str:
+    """torch's load_state_dict error on one line, as every `error:` is: it lists each kind of mismatch (missing
+    keys, unexpected keys, one line per size mismatch) on its own line, some of them thousands of characters."""
+    lines = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+    kept = [line if len(line) <= width else line[:width - 4] + " ..." for line in lines[:shown]]
+    more = f"; and {len(lines) - shown} more" if len(lines) > shown else ""
+    return "; ".join(kept) + more
 
 
 def _is_torchscript(path: Path) -> bool:
