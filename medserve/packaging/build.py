@@ -15,7 +15,8 @@ from pathlib import Path
 from medserve.errors import PackagingError
 from medserve.packaging import engine, layout
 from medserve.packaging.config import read_app_config
-from medserve.packaging.context import BuildInputs, app_requirements, write_context
+from medserve.packaging.containerfile import TORCH_CPU_INDEX
+from medserve.packaging.context import BuildInputs, app_requirements, check_torch_index, write_context
 from medserve.packaging.manifest import (PLATFORMS, app_manifest, find_app, package_manifest, scan_models,
                                          sdk_versions)
 
@@ -41,6 +42,7 @@ class PackageRequest:
     no_cache: bool = False
     uid: int = 1000
     gid: int = 1000
+    torch_index: str = TORCH_CPU_INDEX  # where the CPU variant's torch comes from, without --wheel-dir
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ def prepare(request: PackageRequest) -> BuildInputs:
         holoscan_version=holoscan_version, sdk_version=sdk_version,
         wheel_dir=Path(request.wheel_dir) if request.wheel_dir else None,
         docs=Path(request.docs) if request.docs else None, uid=request.uid, gid=request.gid,
+        torch_index=request.torch_index,
     )
 
 
@@ -131,6 +134,8 @@ def package(request: PackageRequest, progress: ProgressCallback | None = None) -
     with tempfile.TemporaryDirectory(prefix="medserve-map-") as temp:
         context = Path(temp)
         containerfile = write_context(inputs, context)
+        if inputs.variant == "cpu" and inputs.wheel_dir is None:  # the last check: the inputs' errors come first
+            check_torch_index(inputs.torch_index)
         env = dict(os.environ, DOCKER_BUILDKIT="1")
 
         def on_line(line: str) -> None:

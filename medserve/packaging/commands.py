@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from medserve.packaging import layout
+from medserve.packaging.containerfile import TORCH_CPU_INDEX
 from medserve.packaging.manifest import PLATFORMS
 
 logger = logging.getLogger("medserve.packaging.commands")
@@ -27,7 +28,7 @@ def _package(args: argparse.Namespace) -> int:
         application=args.application, config=args.config, tag=args.tag, models=args.models,
         platform=args.platform, base_image=args.base_image, builder=args.builder, wheel_dir=args.wheel_dir,
         variant=args.variant, version=args.version, docs=args.docs, no_cache=args.no_cache,
-        uid=args.uid, gid=args.gid,
+        uid=args.uid, gid=args.gid, torch_index=args.torch_index,
     )
     console = Console(stderr=True)
     # A MAP build is minutes of pip and layer commits: show which step it is in.
@@ -89,6 +90,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--wheel-dir", type=Path, help="install Python packages from these wheels only (offline)")
     p.add_argument("--variant", choices=["auto", "cpu", "cuda"], default="auto",
                    help="torch build: cpu or cuda; auto = cuda when app.yaml asks for a GPU")
+    p.add_argument("--torch-index", default=TORCH_CPU_INDEX, metavar="URL",
+                   help="PyTorch CPU wheel index of the cpu variant without --wheel-dir (default %(default)s); "
+                        "checked to be reachable before the build")
     p.add_argument("--version", help="overrides application.version")
     p.add_argument("--docs", type=Path, help="documentation folder copied to /opt/holoscan/docs")
     p.add_argument("--no-cache", action="store_true", help="rebuild every layer")

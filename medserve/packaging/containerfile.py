@@ -32,15 +32,15 @@ class PipIndexes:
 
 
 def pip_config(inputs: "BuildInputs", indexes: PipIndexes, has_ca_bundle: bool) -> str:
-    """pip.conf of the pip step: the wheel directory only, or the host's indexes (and the PyTorch CPU index for
-    the CPU variant), with the host's CA bundle when there is one."""
+    """pip.conf of the pip step: the wheel directory only, or the host's indexes (and the PyTorch CPU index,
+    `--torch-index`, for the CPU variant), with the host's CA bundle when there is one."""
     lines = ["[global]"]
     if inputs.wheel_dir is not None:
         lines += ["no-index = true", f"find-links = {PIP_DIR}/wheels"]
     else:
         extras = list(indexes.extra_index_urls)
-        if inputs.variant == "cpu" and TORCH_CPU_INDEX not in extras:
-            extras.append(TORCH_CPU_INDEX)
+        if inputs.variant == "cpu" and inputs.torch_index not in extras:
+            extras.append(inputs.torch_index)
         if indexes.index_url is not None:
             lines.append(f"index-url = {indexes.index_url}")
         if extras:

@@ -15,6 +15,8 @@ import shutil
 import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -23,7 +25,7 @@ import medserve
 from medserve.errors import PackagingError
 from medserve.packaging import layout
 from medserve.packaging.config import AppConfig
-from medserve.packaging.containerfile import PipIndexes, pip_config, render
+from medserve.packaging.containerfile import TORCH_CPU_INDEX, PipIndexes, pip_config, render
 from medserve.packaging.manifest import AppSource, named, sdk_pins
 
 logger = logging.getLogger("medserve.packaging.context")
@@ -50,6 +52,7 @@ class BuildInputs:
     docs: Path | None = None
     uid: int = 1000
     gid: int = 1000
+    torch_index: str = TORCH_CPU_INDEX
 
 
 def app_requirements(app: AppSource, config: AppConfig) -> list[str]:
@@ -161,6 +164,28 @@ def host_ca_bundle() -> Path | None:
         if candidate and os.path.isfile(candidate) and os.path.getsize(candidate) > 0:
             return Path(candidate)
     return None
+
+
+def check_torch_index(url: str, timeout: float = 10.0) -> None:
+    """Refuse a build whose CPU torch index cannot be reached from here, in seconds: pip would retry it for
+    minutes, then take torch from the other indexes (a CUDA build of several GB) and fail the CPU check."""
+    if not url.startswith(("http://", "https://")):
+        raise PackagingError(f"--torch-index {url}: expected an http(s) URL of a PyTorch wheel index")
+    ca_bundle = host_ca_bundle()
+    context = ssl.create_default_context(cafile=str(ca_bundle) if ca_bundle else None)
+    remedy = ("pass --wheel-dir DIR with the wheels (`pip download -d DIR -r requirements.txt` on a machine that "
+              "reaches it), or --torch-index URL of a mirror")
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/torch/", timeout=timeout, context=context):
+            return
+    except urllib.error.HTTPError as error:
+        if error.code == 404:
+            raise PackagingError(f"the CPU variant installs torch from {url}, which has no torch project (404); "
+                                 f"{remedy}") from None
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise PackagingError(f"the CPU variant installs torch from {url}, which this machine cannot reach "
+                             f"({reason}); {remedy}") from None
 
 
 def host_pip_indexes() -> PipIndexes:

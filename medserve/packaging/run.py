@@ -85,11 +85,17 @@ def _image_present(image: str, tool: str) -> bool:
 
 def ensure_image(image: str, tool: str) -> None:
     """Pull a registry image that is not here yet with the registry credentials (medserve push's: in-memory
-    auth file), so that create/run never pull on their own, without them. `localhost/NAME` is podman's name
-    for a local image, and a bare name has no registry to log in to: both are left to the engine."""
+    auth file), so that create/run never pull on their own, without them. `localhost/NAME` names a local image
+    (podman's name for what `medserve package` built): one that is missing is refused, where the engine would
+    try a registry at https://localhost and report that. A bare name has no registry to log in to: the engine
+    resolves it."""
     host = engine.registry_host(image)
-    if host is not None and host != "localhost" and not _image_present(image, tool):
-        registry.pull(image, tool)
+    if host is None or _image_present(image, tool):
+        return
+    if host == "localhost":
+        raise PackagingError(f"{image} is not in {tool}'s local image store; build it with `medserve package`, "
+                             f"or name a registry image")
+    registry.pull(image, tool)
 
 
 def read_manifests(image: str, tool: str) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -299,6 +299,37 @@ def test_index_token_stays_out_of_the_containerfile(tmp_path: Path, monkeypatch:
     assert "index-url" not in pip_config(inputs, host_pip_indexes(), False).replace("extra-index-url", "")
 
 
+def test_the_torch_index_is_checked_before_the_build_and_used_by_it(tmp_path: Path) -> None:
+    """A mirror of the PyTorch CPU index (`--torch-index`) is what the pip step uses; before the build it must
+    answer for the torch project."""
+    import http.server
+    import threading
+
+    from medserve.packaging.context import check_torch_index
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            self.send_response(200 if self.path == "/mirror/torch/" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        mirror = f"http://127.0.0.1:{server.server_port}/mirror"
+        check_torch_index(mirror)
+        check_torch_index(mirror + "/")
+        with pytest.raises(PackagingError, match=r"/other, which has no torch project \(404\); pass --wheel-dir"):
+            check_torch_index(f"http://127.0.0.1:{server.server_port}/other")
+    finally:
+        server.shutdown()
+    inputs = prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1", variant="cpu",
+                                    torch_index=mirror))
+    assert f"extra-index-url = {mirror}\n" in pip_config(inputs, PipIndexes(), False)
+
+
 def test_the_build_uses_the_indexes_pip_install_uses_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A mirror set in pip.conf (as hospitals' networks do) reaches the build: [install] before [global], PIP_*
     variables before both; file:// indexes (this machine's folders) stay out."""
@@ -338,12 +369,13 @@ def test_context_leaves_out_what_the_official_dockerignore_does(tmp_path: Path) 
 def test_dangling_symlink_is_one_error_line(tmp_path: Path, where: str, capsys: pytest.CaptureFixture,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from medserve.cli import main as cli_main
-    from medserve.packaging import engine
+    from medserve.packaging import build, engine
 
     app, bundle = make_app(tmp_path), make_bundle(tmp_path / "models")
     link = (app if where == "app" else bundle / "configs") / "broken"
     link.symlink_to(tmp_path / "gone")
     monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "buildah")  # fails before any build
+    monkeypatch.setattr(build, "_check_local_base_image", lambda *args: None)  # whether it was built or not
     code = cli_main(["package", str(app), "-c", str(write(tmp_path, GOOD)), "-t", "x:1", "-m", str(bundle)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
@@ -436,7 +468,13 @@ PUSH_CASES = {
     "push with a bad tag": ("ghcr.io/org/seg:.1", "tag '.1' is not valid"),
 }
 USER_CASES = {"uid 0": (["--uid", "0"], "--uid 0: expected a number from 1 to 65533"),
-              "negative gid": (["--gid", "-5"], "--gid -5: expected a number from 1 to 65533")}
+              "negative gid": (["--gid", "-5"], "--gid -5: expected a number from 1 to 65533"),
+              # Without --wheel-dir, an unreachable torch index is refused in seconds, not after minutes of retries.
+              "torch index unreachable": (["--variant", "cpu", "--torch-index", "http://127.0.0.1:9/whl/cpu"],
+                                          "the CPU variant installs torch from http://127.0.0.1:9/whl/cpu, which "
+                                          "this machine cannot reach"),
+              "torch index not http": (["--variant", "cpu", "--torch-index", "/srv/wheels"],
+                                       "--torch-index /srv/wheels: expected an http(s) URL")}
 
 
 @pytest.mark.parametrize("case", ["latin-1 app.yaml", "latin-1 requirements", "symlink loop", "models not a folder",
@@ -470,6 +508,7 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
         args += ["--push", PUSH_CASES[case][0]]
         monkeypatch.setattr(build, "package", lambda *a, **k: pytest.fail("built before the destination was checked"))
     monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "buildah")  # nothing gets as far as a build
+    monkeypatch.setattr(build, "_check_local_base_image", lambda *args: None)  # whether it was built or not
     monkeypatch.setattr(engine, "run_build", lambda *a, **k: pytest.fail("a build was started"), raising=False)
     code = cli_main(args)
     err = capsys.readouterr().err

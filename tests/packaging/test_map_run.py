@@ -158,9 +158,20 @@ def test_remote_image_pulled_with_credentials_first(monkeypatch: pytest.MonkeyPa
     pulled: list[tuple[str, str]] = []
     monkeypatch.setattr(registry, "pull", lambda image, choice: pulled.append((image, choice)) or "id")
     monkeypatch.setattr(map_run, "_image_present", lambda image, tool: image.endswith(":here"))
-    for image in ("127.0.0.1:5000/m/toy:1", "ghcr.io/o/toy:here", "localhost/toy:1", "toy:1"):
+    for image in ("127.0.0.1:5000/m/toy:1", "ghcr.io/o/toy:here", "localhost/toy:here", "toy:1"):
         map_run.ensure_image(image, "podman")
     assert pulled == [("127.0.0.1:5000/m/toy:1", "podman")]
+
+
+def test_a_missing_local_image_is_refused_not_pulled_from_localhost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`localhost/NAME` is a local image: when it is missing, the engine would try https://localhost."""
+    from medserve.errors import PackagingError
+
+    monkeypatch.setattr(registry, "pull", lambda image, choice: pytest.fail(f"pulled {image}"))
+    monkeypatch.setattr(map_run, "_image_present", lambda image, tool: False)
+    with pytest.raises(PackagingError, match=r"^localhost/seg:2 is not in podman's local image store; build it "
+                                             r"with `medserve package`, or name a registry image$"):
+        map_run.ensure_image("localhost/seg:2", "podman")
 
 
 def test_credentials_go_only_to_their_registry() -> None:
