@@ -12,6 +12,7 @@ RUN := ulimit -s 32768 2>/dev/null || true;
 setup: $(STAMP)
 
 $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -c 'import ensurepip' 2>/dev/null || bash .ci/system-deps python3.11-venv
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
