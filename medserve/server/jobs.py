@@ -233,7 +233,7 @@ class JobQueue:
             "stage": row["stage"], "input": source, "writeback": bool(row["writeback"]),
             "created": _iso(row["created"]), "started": _iso(row["started"]), "finished": _iso(row["finished"]),
             "attempts": row["attempts"],
-            "timings": json.loads(row["timings"]) if row["timings"] else {},
+            "timings": {k: round(v, 4) for k, v in json.loads(row["timings"]).items()} if row["timings"] else {},
             "segments": json.loads(row["segments"]) if row["segments"] else None,
             "outputs": sorted(outputs), "error": row["error"],
             "result_url": f"/v1/jobs/{row['id']}/result" if row["state"] == "succeeded" else None,

@@ -255,7 +255,7 @@ class ModelEntry:
             "device": str(device) if device is not None else None,
             "memory_bytes": self.memory if self.predictor is not None else 0,
             "error": self.error,
-            "load_seconds": self.load_seconds,
+            "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
             "active": self.gate.active,
             "queued": self.gate.waiting,
         }

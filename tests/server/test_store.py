@@ -233,7 +233,9 @@ def test_readiness_waits_for_preloaded_models(base_config, held_loads: threading
         release.set()
         wait_http(server.url, 60)
         wait_http(server.url, 5, path="/v2/health/ready")
+        # Without --preload /readyz was 200 all along: wait for both loads (the demo's is the slower) to end.
         server.store.wait_until("broken", ("failed",), 30)
+        server.store.wait_until("demo", ("loaded",), 60)
         assert httpx.get(server.url + "/readyz").json() == {"ready": True,
                                                             "models": {"broken": "failed", "demo": "loaded"}}
     finally:
