@@ -326,6 +326,37 @@ def test_irregular_thin_slices_are_refused_beyond_position_rounding(tmp_path, ph
         volume_of(tmp_path)
 
 
+def test_thin_slices_whose_spacing_changes_along_the_stack_are_refused(tmp_path, phantom):
+    """Each gap is within the rounding floor of the mean gap, yet the middle slices lie 0.25 mm from where a
+    regular spacing puts them: accepting the series would misplace them."""
+    written = write_ct_series(phantom.hu, tmp_path, SeriesGeometry(slice_spacing=0.6))
+    for k, path in enumerate(written.paths):
+        dataset = pydicom.dcmread(path)
+        dataset.ImagePositionPatient[2] = float(dataset.ImagePositionPatient[2]) + 0.025 * max(k - 10, 0)
+        dataset.save_as(path)
+    with pytest.raises(VolumeError, match=r"slice spacing is irregular: the slice at .* mm along the normal lies "
+                                          r"0\.1\d\d mm from where a regular spacing of 0\.6\d+ mm puts it"):
+        volume_of(tmp_path)
+
+
+def test_oblique_slices_with_three_decimal_cosines_form_a_volume(tmp_path, phantom):
+    """|row x column| of 3-decimal cosines can differ from 1 by 1.5e-3, beyond highdicom's stacking tolerance when
+    it takes them as written: the orthonormal cosines nearest to them go into the geometry checks."""
+    orientation = (-0.461, -0.847, -0.267, 0.572, -0.513, 0.641)
+    row, column = np.asarray(orientation[:3]), np.asarray(orientation[3:])
+    assert abs(np.linalg.norm(np.cross(row, column)) - 1) > 1e-3
+    geometry = SeriesGeometry(origin=(12.5, -40.0, 310.0), orientation=orientation, pixel_spacing=(0.8, 0.8),
+                              slice_spacing=2.0)
+    written = write_ct_series(phantom.hu, tmp_path, geometry)
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.ImagePositionPatient = [f"{float(v):.2f}" for v in dataset.ImagePositionPatient]
+        dataset.save_as(path)
+    volume = volume_of(tmp_path)
+    last = volume.affine @ [len(written.paths) - 1, 0, 0, 1]
+    np.testing.assert_allclose(last[:3], pydicom.dcmread(written.paths[-1]).ImagePositionPatient, atol=0.01)
+
+
 def test_a_tilted_stack_is_refused_saying_so(tmp_path, phantom):
     written = _write(tmp_path, phantom)
     for path in written.paths:
@@ -585,9 +616,11 @@ def _two_frames_of_pixel_data(dataset):
     (_set("RescaleIntercept", "inf"), r"RescaleIntercept inf: expected a finite"),
     (_two_frames_of_pixel_data, r"pixel data holds \d+ bytes; Rows x Columns x BitsAllocated/8 is \d+: more than "
                                 r"one frame"),
+    (_set("Columns", 32), r"pixel data holds 2880 bytes; Rows x Columns x BitsAllocated/8 is 2560: more than one "
+                          r"frame, or Rows/Columns/BitsAllocated are wrong"),
 ], ids=["zero-pixel-spacing", "unnormalised-orientation", "skewed-orientation", "nan-position", "zero-rows",
         "no-bits-allocated", "no-pixel-representation", "bits-stored-above-allocated", "zero-slope",
-        "infinite-intercept", "two-frames-of-pixels"])
+        "infinite-intercept", "two-frames-of-pixels", "columns-below-the-pixels"])
 def test_headers_that_do_not_describe_a_volume_are_refused_naming_the_file(tmp_path, phantom, edit, message):
     written = _write(tmp_path, phantom)
     with warnings.catch_warnings():
@@ -604,7 +637,9 @@ def test_padding_bytes_after_the_frame_are_ignored_with_a_warning(tmp_path, phan
     with caplog.at_level(logging.WARNING, logger="medserve.dicom.pixels"):
         volume = volume_of(tmp_path)
     np.testing.assert_allclose(volume.array, phantom.hu, atol=0.5)
-    assert any("pixel data holds 64 bytes after its" in message for message in caplog.messages)
+    assert [message for message in caplog.messages if "after their frame" in message] == [
+        f"{len(written.paths)} slice(s) hold up to 64 bytes of pixel data after their frame (e.g. "
+        f"{written.paths[0]}); ignoring them"]  # once per series
 
 
 def test_an_enhanced_object_of_one_frame_is_read_as_multi_frame(tmp_path, phantom):

@@ -202,13 +202,17 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         study_uid = uid_value(dataset, "StudyInstanceUID")
         series_uid = uid_value(dataset, "SeriesInstanceUID")
         if not study_uid or not series_uid:
-            if not instance.without_preamble and _is_image(instance):  # parsed without force: it has the preamble
+            if not _is_image(instance):
+                _skip(skipped, path, f"no StudyInstanceUID/SeriesInstanceUID ({_sop_class_name(dataset)}, not an "
+                                     "image)")
+            elif instance.without_preamble:  # parsed with force: perhaps not DICOM at all
+                _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
+            else:
                 # pydicom returns what it could read of a cut file; an image without its UIDs is damaged.
                 missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
                                                        ("SeriesInstanceUID", series_uid)) if not v)
                 raise DicomInputError(f"{path}: corrupt or truncated DICOM file, or an incomplete object: {missing} "
                                       "missing")
-            _skip(skipped, path, f"no StudyInstanceUID/SeriesInstanceUID ({_sop_class_name(dataset)}, not an image)")
             continue
         if not uid_value(dataset, "SOPInstanceUID"):
             # Every result references its source images by this UID (a SEG cannot be written without it).

@@ -84,11 +84,13 @@ def read_slices(instances: Sequence[Instance], array: np.ndarray) -> None:
     plan = [formats.of(instance) for instance in instances]
     workers = max(1, min(len(instances), os.cpu_count() or 1))
     bounds = [len(instances) * w // workers for w in range(workers + 1)]
+    padded: list[tuple[int, int]] = []  # (slice, bytes after its frame), appended by the threads
 
     def read_run(start: int, stop: int) -> tuple[int, Exception] | None:
         for k in range(start, stop):
             try:
-                read_slice(instances[k], plan[k], array[k])
+                if padding := read_slice(instances[k], plan[k], array[k]):
+                    padded.append((k, padding))
             except Exception as error:
                 return k, error
         return None
@@ -97,19 +99,24 @@ def read_slices(instances: Sequence[Instance], array: np.ndarray) -> None:
         failures = [failure for failure in pool.map(read_run, bounds[:-1], bounds[1:]) if failure is not None]
     if failures:
         raise min(failures, key=lambda failure: failure[0])[1]
+    if padded:  # pydicom ignores such bytes too; once per series, not once per slice
+        log.warning("%d slice(s) hold up to %d bytes of pixel data after their frame (e.g. %s); ignoring them",
+                    len(padded), max(size for _, size in padded), instances[min(padded)[0]].path)
 
 
-def read_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> None:
-    """The instance's one frame into `out` (rows x columns, float32), rescaled; VolumeError naming the file."""
+def read_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> int:
+    """The instance's one frame into `out` (rows x columns, float32), rescaled; VolumeError naming the file.
+    Returns the number of padding bytes found after an uncompressed frame (beyond the one to an even length)."""
     syntax = transfer_syntax(instance)
     if "ModalityLUTSequence" in instance.dataset:
         _decode_slice(instance, out)
     elif syntax in _NATIVE_LITTLE_ENDIAN:
-        _read_native_slice(instance, pixel_format, out)
+        return _read_native_slice(instance, pixel_format, out)
     elif syntax == RLELossless:
         _decode_rle_slice(instance, pixel_format, out)
     else:
         _decode_slice(instance, out)
+    return 0
 
 
 def _pixel_format(instance: Instance) -> PixelFormat:
@@ -150,20 +157,20 @@ def _pixel_value(instance: Instance, expected: int | None = None) -> tuple[int, 
         return implicit_length, stream.read()
 
 
-def _read_native_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> None:
+def _read_native_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> int:
     expected = out.size * pixel_format.dtype.itemsize
     declared, value = _pixel_value(instance, expected)
     if declared < expected or len(value) < expected:
         raise VolumeError(f"{instance.path}: pixel data is truncated ({min(len(value), declared)} of "
                           f"{expected} bytes)")
-    if declared >= 2 * expected:
+    # Padding is shorter than a row; a row or more is an image whose Rows/Columns do not match its pixels, which
+    # would be read sheared.
+    if declared - expected >= out.shape[-1] * pixel_format.dtype.itemsize:
         raise VolumeError(f"{instance.path}: pixel data holds {declared} bytes; Rows x Columns x BitsAllocated/8 "
                           f"is {expected}: more than one frame, or Rows/Columns/BitsAllocated are wrong")
-    if declared > expected + 1:  # beyond the one byte that pads to an even length: pydicom ignores it too
-        log.warning("%s: pixel data holds %d bytes after its %d-byte frame; ignoring them", instance.path,
-                    declared - expected, expected)
     raw = np.frombuffer(value, dtype=pixel_format.dtype, count=out.size)
     _rescale_into(pixel_format, _mask_stored_bits(pixel_format, raw).reshape(out.shape), out)
+    return declared - expected if declared > expected + 1 else 0
 
 
 def _decode_rle_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> None:

@@ -161,7 +161,9 @@ def _checked_volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[
                           f"{len(multiframe)} are multi-frame (e.g. {multiframe[0].path}); expected one "
                           f"multi-frame (Enhanced) object or single-frame slices")
     positions, orientation = _check_geometry_attributes(series.instances)
-    order, spacing = _slice_order(series.instances, positions, orientation, tolerance)
+    # highdicom takes |row x column| as the unit normal: rounded cosines would scale the spacing and fail its
+    # stacking check.
+    order, spacing = _slice_order(series.instances, positions, np.concatenate(_orthonormal(orientation)), tolerance)
     _check_distinct_images(series.instances)
     return [series.instances[i] for i in order], spacing
 
@@ -298,6 +300,14 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
                               f"each ImagePositionPatient on the line through the first along the normal")
         raise VolumeError(f"slice spacing is irregular (between {gaps.min():.3f} and {gaps.max():.3f} mm, "
                           f"tolerance {atol:.3f} mm) or slices are not stacked along their normal")
+    # highdicom compares each gap with the mean gap: gaps that change along the stack (0.600 mm, then 0.625 mm)
+    # pass that one by one while the slices drift millimetres from where a regular spacing puts them.
+    drift = sorted_distances - (sorted_distances[0] + abs(spacing) * np.arange(len(instances)))
+    if np.abs(drift).max() > atol:
+        where = int(np.argmax(np.abs(drift)))
+        raise VolumeError(f"slice spacing is irregular: the slice at {sorted_distances[where]:.3f} mm along the "
+                          f"normal lies {abs(drift[where]):.3f} mm from where a regular spacing of {spacing:.4f} mm "
+                          f"puts it (tolerance {atol:.3f} mm)")
     order = [0] * len(instances)
     for position, volume_index in enumerate(indices):
         order[volume_index] = position
