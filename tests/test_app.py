@@ -202,6 +202,8 @@ def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_pa
 
 
 def _bad_bundle(tmp_path: Path, damage: str) -> Path:
+    if damage == "no bundle":
+        return tmp_path / "nowhere"
     bundle = tmp_path / "bundle"
     shutil.copytree(DEMO_BUNDLE, bundle)
     if damage == "no weights":
@@ -237,6 +239,7 @@ BAD_INPUTS = [
     ("corrupt file", None, "pixel data is truncated"),
     ("missing slice", None, r"missing 1 slice\(s\)"),
     ("fine", "no series", "no series in .* matches the selection rules"),
+    ("fine", "no bundle", "model path .*nowhere does not exist; expected a bundle folder"),
     ("fine", "no weights", "no weights; expected models/model.pt"),
     ("fine", "malformed config", "inference.json: cannot read config"),
     ("fine", "weights do not fit", "weights do not fit network_def UNet in inference.json: Missing key.*; "
@@ -288,6 +291,20 @@ def test_all_matched_sorted_by_instance_count_segments_the_largest_match(tmp_pat
     assert refused.returncode == 2
     assert "error: --sort-by-sop-instance-count orders the matches of --all-matched; pass both" in refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("refusal", ["no such input", "sort without all-matched"])
+def test_a_refused_run_leaves_no_earlier_results_behind(tmp_path, demo_study, refusal):
+    """A script that runs the app with a wrong -i must not find the previous run's seg.dcm beside the error."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("seg.dcm", "labels.nii.gz"):
+        (out / name).write_bytes(b"an earlier run's result")
+    arguments = {"no such input": ["-i", tmp_path / "nowhere"],
+                 "sort without all-matched": ["-i", demo_study[0], "--sort-by-sop-instance-count"]}[refusal]
+    completed = run_app(*arguments, "-o", out, "-m", DEMO_BUNDLE)
+    assert completed.returncode == 2 and completed.stderr.count("error: ") == 1, completed.stderr
+    assert list(out.iterdir()) == []
 
 
 def test_an_output_path_that_is_a_file_is_refused_and_left_alone(tmp_path, demo_study):

@@ -41,6 +41,8 @@ _PATH_VARIABLES = {"input": "HOLOSCAN_INPUT_PATH", "output": "HOLOSCAN_OUTPUT_PA
 
 def resolve_bundle(model_path: Path) -> Path:
     """The bundle folder itself, or the single bundle folder inside a models folder."""
+    if not model_path.exists():
+        raise BundleError(f"model path {model_path} does not exist; expected a bundle folder (with configs/)")
     if (model_path / "configs").is_dir():
         return model_path
     candidates = [p for p in sorted(model_path.iterdir()) if (p / "configs").is_dir()] if model_path.is_dir() else []
@@ -121,19 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     verbosity = None if args.log_level is None else _VERBOSITY[args.log_level]
     level = configure_logging(verbosity)
-    if args.sort_by_sop_instance_count and not args.all_matched:
-        print("error: --sort-by-sop-instance-count orders the matches of --all-matched; pass both (as the stock "
-              "selector's sort_by_sop_instance_count applies only with all_matched)", file=sys.stderr)
-        return 2
     for name, variable in _PATH_VARIABLES.items():
         value = getattr(args, name)
         if value is not None:
             os.environ[variable] = str(value.resolve())
-        if not os.environ.get(variable):
-            print(f"error: no {name} path: pass --{name} or set {variable}", file=sys.stderr)
-            return 2
-    if not Path(os.environ["HOLOSCAN_INPUT_PATH"]).exists():
-        print(f"error: input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist", file=sys.stderr)
+    if not os.environ.get("HOLOSCAN_OUTPUT_PATH"):
+        print("error: no output path: pass --output or set HOLOSCAN_OUTPUT_PATH", file=sys.stderr)
         return 2
     output = Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
     created = [folder for folder in (output, *output.absolute().parents) if not folder.exists()]  # deepest first
@@ -148,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"error: output folder {output}: cannot be {'written to' if output.is_dir() else 'created'} "
               f"({error.strerror or error}); expected a folder we can write to", file=sys.stderr)
+        return 2
+    if (problem := _argument_problem(args)) is not None:  # after the clean-up: no earlier result stays beside it
+        _discard_run(output, created)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     # Only now: a Ctrl-C that came during the imports (held, as the signals are blocked) must not clean up while
     # the folders above are still being made.
@@ -169,6 +168,19 @@ def main(argv: list[str] | None = None) -> int:
     _discard_run(output, created)
     print(f"error: {record.failure.message()}", file=sys.stderr)
     return record.failure.exit_status
+
+
+def _argument_problem(args: argparse.Namespace) -> str | None:
+    """What makes the arguments unusable before anything runs, or None."""
+    if args.sort_by_sop_instance_count and not args.all_matched:
+        return ("--sort-by-sop-instance-count orders the matches of --all-matched; pass both (as the stock "
+                "selector's sort_by_sop_instance_count applies only with all_matched)")
+    for name in ("input", "model"):
+        if not os.environ.get(_PATH_VARIABLES[name]):
+            return f"no {name} path: pass --{name} or set {_PATH_VARIABLES[name]}"
+    if not Path(os.environ["HOLOSCAN_INPUT_PATH"]).exists():
+        return f"input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist"
+    return None
 
 
 def _discard_run(output: Path, created: list[Path]) -> None:

@@ -109,7 +109,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["auto", "buildah", "docker"], default="auto")
     p.set_defaults(handler=_push)
 
-    p = subparsers.add_parser("run", help="run a MAP on an input folder, as `monai-deploy run` does")
+    p = subparsers.add_parser("run", help="run a MAP on an input folder, as `monai-deploy run` does",
+                              usage="%(prog)s [-h] [-i INPUT] [-o OUTPUT] [--gpus GPUS] [--config CONFIG] "
+                                    "[--engine {auto,podman,docker}] image [-- ARG ...]")
     p.add_argument("image")
     p.add_argument("-i", "--input", type=Path, help="input folder, mounted at the manifest's input path")
     p.add_argument("-o", "--output", type=Path, help="output folder (created if missing)")
