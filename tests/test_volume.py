@@ -290,12 +290,16 @@ def test_slices_in_two_frames_of_reference_are_refused(tmp_path, phantom):
         volume_of(tmp_path)
 
 
-def test_irregular_spacing_is_refused(tmp_path, phantom):
-    written = _write(tmp_path, phantom)
+def _shift_slices(written, shift) -> None:
+    """Move slice k of an axial series by shift(k) mm along z."""
     for k, path in enumerate(written.paths):
         dataset = pydicom.dcmread(path)
-        dataset.ImagePositionPatient[2] = float(dataset.ImagePositionPatient[2]) + (0.9 if k % 2 else 0.0)
+        dataset.ImagePositionPatient[2] = float(dataset.ImagePositionPatient[2]) + shift(k)
         dataset.save_as(path)
+
+
+def test_irregular_spacing_is_refused(tmp_path, phantom):
+    _shift_slices(_write(tmp_path, phantom), lambda k: 0.9 if k % 2 else 0.0)
     with pytest.raises(VolumeError, match="irregular"):
         volume_of(tmp_path)
 
@@ -317,23 +321,17 @@ def test_oblique_thin_slices_with_rounded_positions_and_orientation_form_a_volum
 
 
 def test_irregular_thin_slices_are_refused_beyond_position_rounding(tmp_path, phantom):
-    written = write_ct_series(phantom.hu, tmp_path, SeriesGeometry(slice_spacing=0.5))
-    for k, path in enumerate(written.paths):
-        dataset = pydicom.dcmread(path)
-        dataset.ImagePositionPatient[2] = float(dataset.ImagePositionPatient[2]) + (0.05 if k % 2 else 0.0)
-        dataset.save_as(path)
+    _shift_slices(write_ct_series(phantom.hu, tmp_path, SeriesGeometry(slice_spacing=0.5)),
+                  lambda k: 0.05 if k % 2 else 0.0)
     with pytest.raises(VolumeError, match="irregular"):
         volume_of(tmp_path)
 
 
 def test_thin_slices_whose_spacing_changes_along_the_stack_are_refused(tmp_path, phantom):
-    """Each gap is within the rounding floor of the mean gap, yet the middle slices lie 0.25 mm from where a
-    regular spacing puts them: accepting the series would misplace them."""
-    written = write_ct_series(phantom.hu, tmp_path, SeriesGeometry(slice_spacing=0.6))
-    for k, path in enumerate(written.paths):
-        dataset = pydicom.dcmread(path)
-        dataset.ImagePositionPatient[2] = float(dataset.ImagePositionPatient[2]) + 0.025 * max(k - 10, 0)
-        dataset.save_as(path)
+    """Each gap is within the rounding floor of the mean gap, yet the middle slice lies 0.12 mm from where a
+    regular spacing puts it: accepting the series would misplace it."""
+    _shift_slices(write_ct_series(phantom.hu, tmp_path, SeriesGeometry(slice_spacing=0.6)),
+                  lambda k: 0.025 * max(k - 10, 0))
     with pytest.raises(VolumeError, match=r"slice spacing is irregular: the slice at .* mm along the normal lies "
                                           r"0\.1\d\d mm from where a regular spacing of 0\.6\d+ mm puts it"):
         volume_of(tmp_path)
