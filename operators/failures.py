@@ -1,12 +1,14 @@
-"""Failures inside a Holoscan graph become one clear message and a non-zero exit, not a traceback.
+"""Failures inside a Holoscan graph: as the stock operators raise them, or, for an app that watches its runs, one
+clear message and a non-zero exit rather than a traceback.
 
-An operator's compute wrapped with `reports_failures` records the first failure on its fragment (the
-application), emits nothing and stops the fragment, so downstream operators never run on partial data and
-operators waiting for the failed one's output do not wait forever; the app's entry point then
-prints the message, removes the files this run wrote, and exits non-zero. A MedserveError is the user's input
-(exit 2); anything else is a fault of ours or of a library (exit 1), reported with the operator's name and kept
-with its traceback for the debug log. Left to Holoscan, either would be logged as a multi-line error and then
-re-raised out of `Application.run()`.
+By default an operator's error propagates as a stock operator's does: Holoscan logs it and re-raises it out of
+`Application.run()`, so a user's own graph fails loudly. An app that calls `watch_failures(app)` before each run
+takes the reporting over (apps/bundle_seg does): an operator's compute wrapped with `reports_failures` then
+records the first failure on its fragment (the application), emits nothing and stops the fragment, so
+downstream operators never run on partial data and operators waiting for the failed one's output do not wait
+forever; the app's entry point then prints the message, removes the files this run wrote, and exits non-zero. A
+MedserveError is the user's input (exit 2); anything else is a fault of ours or of a library (exit 1), reported
+with the operator's name and kept with its traceback for the debug log.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ class Failure:
 
 @dataclass
 class RunRecord:
-    """What one run of an app has done so far: the first failure, and the output files written."""
+    """What one run of an app has done so far: the first failure (when watched), and the output files written."""
 
     failure: Failure | None = None
     outputs: list[Path] = field(default_factory=list)
+    watched: bool = False  # failures are recorded here, not raised out of Application.run()
 
     def fail(self, where: str, error: Exception) -> None:
         """Keep the run's first failure; an internal one's traceback goes to the debug log."""
@@ -62,6 +65,7 @@ class RunRecord:
 
 
 def run_record(fragment: Any) -> RunRecord:
+    """The current run's record (an unwatched one when `watch_failures` was not called)."""
     record = getattr(fragment, _RUN_ATTRIBUTE, None)
     if record is None:
         record = RunRecord()
@@ -69,10 +73,21 @@ def run_record(fragment: Any) -> RunRecord:
     return record
 
 
+def watch_failures(fragment: Any) -> RunRecord:
+    """Take over failure reporting for the next run of `fragment` (call it before each `run()`): the first
+    failure is recorded in the returned record, with the files the run wrote, instead of being raised."""
+    record = RunRecord(watched=True)
+    setattr(fragment, _RUN_ATTRIBUTE, record)
+    return record
+
+
 def reports_failures(compute: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(compute)
     def wrapper(self: Any, op_input: Any, op_output: Any, context: Any) -> None:
         record = run_record(self.fragment)
+        if not record.watched:
+            compute(self, op_input, op_output, context)
+            return
         if record.failure is not None:
             return
         try:

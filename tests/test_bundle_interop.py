@@ -27,7 +27,7 @@ from medserve.dicom.volume import load_series, ras_affine
 from medserve.errors import BundleError, DicomInputError
 from operators.bundle_inference import BundleInferenceOperator
 from operators.dicom_loader import DicomLoaderOperator
-from operators.failures import run_record
+from operators.failures import run_record, watch_failures
 from operators.nifti_writer import NiftiWriterOperator
 from operators.seg_writer import SegWriterOperator
 from tests.conftest import REPO, dciodvfy_errors
@@ -124,6 +124,7 @@ class Emitter:
 
 def test_loader_without_an_input_folder_says_so():
     fragment = Fragment()
+    watch_failures(fragment)
     loader = DicomLoaderOperator(fragment, name="loader")
     output = Emitter()
     loader.compute(Receiver(input_folder=None), output, None)
@@ -138,6 +139,7 @@ def test_operator_accepts_a_stock_image_and_refuses_other_types(tmp_path, thresh
     folder = write_series(tmp_path / "series", "axial", SQUARE)
     predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
     fragment = Fragment()
+    watch_failures(fragment)
     operator = BundleInferenceOperator(fragment, predictor=predictor, name="bundle_inference")
     output = Emitter()
     operator.compute(Receiver(stock_load(folder)), output, None)
@@ -145,6 +147,7 @@ def test_operator_accepts_a_stock_image_and_refuses_other_types(tmp_path, thresh
     assert np.array_equal(output.emitted["label_map"], predictor.predict(our_load(folder)))
 
     refused = Fragment()
+    watch_failures(refused)
     operator = BundleInferenceOperator(refused, predictor=predictor, name="bundle_inference")
     output = Emitter()
     operator.compute(Receiver(np.zeros((4, 4, 4))), output, None)
@@ -242,6 +245,7 @@ def test_our_seg_writer_writes_onto_the_stock_selection(tmp_path, threshold_bund
     label_map, _, selection = stock_label_map(folder, predictor)
     sent = label_map if label_map_as == "array" else Image(label_map.astype(np.float32), {})
     fragment = Fragment()
+    watch_failures(fragment)
     writer = SegWriterOperator(fragment, output_folder=tmp_path / "out", predictor=predictor, name="seg_writer")
     writer.compute(Receiver(label_map=sent, source=selection), Emitter(), None)
     assert run_record(fragment).failure is None
@@ -268,6 +272,7 @@ def test_our_seg_writer_puts_each_slice_on_its_image_of_an_unsorted_stock_select
     label_map = predictor.predict(volume)
     assert len({tuple(np.flatnonzero(plane)) for plane in label_map}) > 1  # slices differ: order matters
     fragment = Fragment()
+    watch_failures(fragment)
     writer = SegWriterOperator(fragment, output_folder=tmp_path / "out", predictor=predictor, name="seg_writer")
     writer.compute(Receiver(label_map=label_map, source=selection), Emitter(), None)
     assert run_record(fragment).failure is None
@@ -279,6 +284,7 @@ def test_our_nifti_writer_takes_the_stock_image_as_its_volume(tmp_path, threshol
     folder = write_series(tmp_path / "series", "oblique", NON_SQUARE, shape=(8, 24, 28))
     label_map, image, _ = stock_label_map(folder, BundlePredictor.from_dir(threshold_bundle, device="cpu"))
     fragment = Fragment()
+    watch_failures(fragment)
     writer = NiftiWriterOperator(fragment, output_folder=tmp_path / "out", name="nifti_writer")
     writer.compute(Receiver(label_map=label_map, volume=image), Emitter(), None)
     assert run_record(fragment).failure is None
@@ -304,6 +310,7 @@ def test_our_seg_writer_refuses_what_does_not_fit_and_writes_nothing(tmp_path, t
     source = {"not_a_selection": {"selection": selection}, "empty_selection": []}.get(damage, selection)
     sent = {"one_slice_less": label_map[1:], "probabilities": label_map * np.float32(0.5)}.get(damage, label_map)
     fragment = Fragment()
+    watch_failures(fragment)
     writer = SegWriterOperator(fragment, output_folder=tmp_path / "out", predictor=predictor, name="seg_writer")
     output = Emitter()
     writer.compute(Receiver(label_map=sent, source=source), output, None)
@@ -329,7 +336,7 @@ from pydicom.sr.codedict import codes
 from medserve.bundle.predictor import BundlePredictor
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator, SegWriterOperator,
                        SeriesSelectorOperator, SeriesToVolumeOperator)
-from operators.failures import run_record
+from operators.failures import watch_failures
 
 composition, input_folder, output_folder, bundle = sys.argv[1], *(Path(a) for a in sys.argv[2:5])
 
@@ -374,10 +381,82 @@ class OurFrontStockWriter(Application):
 application = {"stock_front": StockFrontOurBack, "stock_writer": OurFrontStockWriter,
                "stock_writer_without_sdk_selection": OurFrontStockWriter}[composition]
 app = application([sys.executable, __file__, "--log-level", "WARN"])
+record = watch_failures(app)
 app.run()
-failure = run_record(app).failure
-sys.exit(f"error: {failure.message()}" if failure else 0)
+sys.exit(f"error: {record.failure.message()}" if record.failure else 0)
 """
+
+
+RERUN_APP = """
+import sys
+from pathlib import Path
+
+from monai.deploy.conditions import CountCondition
+from monai.deploy.core import Application
+
+from medserve.bundle.predictor import BundlePredictor
+from operators import (BundleInferenceOperator, DicomLoaderOperator, SegWriterOperator, SeriesSelectorOperator,
+                       SeriesToVolumeOperator)
+from operators.failures import watch_failures
+
+watched, output_folder, bundle, *folders = sys.argv[1] == "watched", *(Path(a) for a in sys.argv[2:])
+current = {}
+
+
+class StudyLoader(DicomLoaderOperator):
+    def compute(self, op_input, op_output, context):
+        self.input_folder = current["folder"]  # this run's study
+        super().compute(op_input, op_output, context)
+
+
+class OurPipeline(Application):
+    def compose(self):
+        predictor = BundlePredictor.from_dir(bundle, "cpu")
+        loader = StudyLoader(self, CountCondition(self, 1), name="loader")
+        selector = SeriesSelectorOperator(self, name="selector")
+        to_volume = SeriesToVolumeOperator(self, name="to_volume")
+        inference = BundleInferenceOperator(self, predictor=predictor, name="inference")
+        writer = SegWriterOperator(self, output_folder=output_folder, predictor=predictor, name="seg_writer")
+        self.add_flow(loader, selector, {("study_index", "study_index")})
+        self.add_flow(selector, to_volume, {("selected_series", "selected_series")})
+        self.add_flow(to_volume, inference, {("volume", "volume")})
+        self.add_flow(inference, writer, {("label_map", "label_map")})
+        self.add_flow(to_volume, writer, {("source", "source")})
+
+
+app = OurPipeline([sys.executable, __file__, "--log-level", "WARN"])
+for folder in folders:
+    current["folder"] = folder
+    (output_folder / "seg.dcm").unlink(missing_ok=True)
+    record = watch_failures(app) if watched else None
+    app.run()
+    outcome = record.failure.message() if record and record.failure else "ok"
+    print(f"{folder.name}: {outcome}; seg.dcm written: {(output_folder / 'seg.dcm').exists()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_failures_in_a_users_graph_are_raised_unless_the_app_watches_its_runs(tmp_path, threshold_bundle, watched):
+    """A user's own graph of our operators fails as one of stock operators does (the error raised out of
+    `Application.run()`, a non-zero exit); an app that watches its runs gets the failure recorded instead, and
+    the next run of the same Application starts afresh."""
+    good = write_series(tmp_path / "good", "axial", SQUARE, shape=(4, 16, 16))
+    script = tmp_path / "rerun_app.py"
+    script.write_text(RERUN_APP)
+    out = tmp_path / "out"
+    out.mkdir()
+    command = (f"ulimit -s 32768; exec {sys.executable} {script} {'watched' if watched else 'raised'} '{out}' "
+               f"'{threshold_bundle}' '{tmp_path / 'missing'}' '{good}'")
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    if watched:
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert run.stdout.splitlines() == [f"missing: input folder {tmp_path / 'missing'} does not exist; seg.dcm "
+                                           "written: False", "good: ok; seg.dcm written: True"]
+    else:
+        assert run.returncode != 0, run.stdout + run.stderr
+        assert f"input folder {tmp_path / 'missing'} does not exist" in run.stdout + run.stderr
+        assert not (out / "seg.dcm").exists()
 
 
 def test_wiring_the_sdk_selection_without_asking_for_it_fails_when_composed(tmp_path, threshold_bundle):

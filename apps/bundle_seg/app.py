@@ -34,7 +34,7 @@ from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
 from medserve.writers.files import partial_path, stop_publishing  # noqa: E402
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator,  # noqa: E402
                        ResultSummaryOperator, SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
-from operators.failures import run_record  # noqa: E402
+from operators.failures import watch_failures  # noqa: E402
 
 _PATH_VARIABLES = {"input": "HOLOSCAN_INPUT_PATH", "output": "HOLOSCAN_OUTPUT_PATH", "model": "HOLOSCAN_MODEL_PATH"}
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level(level)], rules=args.rules,
                        all_matched=args.all_matched, sort_by_sop_instance_count=args.sort_by_sop_instance_count,
                        device=args.device, nifti=args.nifti, verbosity=verbosity)
-    record = run_record(app)
+    record = watch_failures(app)
     try:
         app.run()
     except Exception as error:  # noqa: BLE001 - input or internal, the run ends with one line (operators/failures)
