@@ -101,9 +101,11 @@ def ensure_image(image: str, tool: str) -> None:
 def read_manifests(image: str, tool: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """app.json and pkg.json, copied out of a created (never started) container, as the official runner does."""
     ensure_image(image, tool)
-    container = engine.run([*_tool_argv(tool, "create"), image], f"reading manifests of {image}",
-                           timeout=600).stdout.strip().splitlines()[-1]
+    # Named before it exists: an interruption while the engine creates it still finds it to remove.
+    container = f"medserve-manifest-{uuid.uuid4().hex[:12]}"
     try:
+        engine.run([*_tool_argv(tool, "create"), "--name", container, image], f"reading manifests of {image}",
+                   timeout=600)
         with tempfile.TemporaryDirectory(prefix="medserve-manifest-") as temp:
             manifests = []
             for path in (layout.APP_MANIFEST_PATH, layout.PKG_MANIFEST_PATH):
@@ -181,7 +183,11 @@ def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | tuple[int, ...
         return []
     available = host_gpu_count()
     if available == 0:
-        logger.warning("the package asks for %s GPU(s) and this host has none: running on CPU", wanted or asked)
+        if wanted is None:
+            logger.warning("the package asks for %s GPU(s) and this host has none: running on CPU", asked)
+        else:
+            shown = ",".join(map(str, wanted)) if isinstance(wanted, tuple) else wanted
+            logger.warning("--gpus %s asks for GPUs and this host has none: running on CPU", shown)
         return []
     if isinstance(wanted, tuple):
         missing = [i for i in wanted if i >= available]
@@ -298,35 +304,41 @@ def app_exit_code(container_code: int, log: str) -> int:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, handled like Ctrl-C; `signum` gives the exit status 128 + 15."""
+    """SIGTERM or SIGHUP (a closed terminal), handled like Ctrl-C; `signum` gives the exit status 128 + N."""
 
-    signum = signal.SIGTERM
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def _termination_as_interrupt() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
 
     def interrupt(signum: int, frame: object) -> None:
-        raise Terminated()
+        raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {signum: signal.signal(signum, interrupt) for signum in _TERMINATING}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run(request: RunRequest) -> int:
-    """Run the MAP in the foreground, echoing its log; returns the app's exit status. Ctrl-C or SIGTERM removes
-    the container before KeyboardInterrupt goes on: the engine passes the signal to the official entrypoint
+    """Run the MAP in the foreground, echoing its log; returns the app's exit status. Ctrl-C, SIGTERM or SIGHUP
+    removes the container before KeyboardInterrupt goes on: the engine passes the signal to the official entrypoint
     only, which, as the container's first process, ignores it, so the app would run on unattended."""
     last_exit_line = ""
     # The engine once: the removals below must not ask `docker info` again each time.
     request = replace(request, engine=engine.pick(request.engine, "podman"))
-    with _sigterm_as_interrupt():
+    with _termination_as_interrupt():
         argv = prepare(request)  # an interruption here: the manifests' container is removed on the way out
         logger.info("running: %s", " ".join(argv))
         # Not `with Popen(...)`: its exit waits for the engine after any interruption but Ctrl-C's own class.

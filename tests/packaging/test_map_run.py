@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import inspect as pyinspect
 import json
+import logging
 import os
 import resource
 import sys
@@ -97,6 +98,18 @@ def test_gpu_count_on_a_gpu_host(monkeypatch: pytest.MonkeyPatch) -> None:
         assert "--gpus" not in cpu and "--device" not in cpu, cpu
 
 
+def test_gpus_on_a_host_without_them_run_on_the_cpu_saying_who_asked(monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(map_run, "host_gpu_count", lambda: 0)
+    with caplog.at_level(logging.WARNING, logger="medserve.packaging.run"):
+        for gpus, pkg in (("0,1", PKG_JSON), ("all", PKG_JSON), (None, {"resources": {"gpu": 1}})):
+            argv = run_argv(RunRequest("img:1", None, None, gpus=gpus), "docker", APP_JSON, pkg)
+            assert "--gpus" not in argv
+    assert caplog.messages == ["--gpus 0,1 asks for GPUs and this host has none: running on CPU",
+                               "--gpus all asks for GPUs and this host has none: running on CPU",
+                               "the package asks for 1 GPU(s) and this host has none: running on CPU"]
+
+
 def test_gpu_device_lists(monkeypatch: pytest.MonkeyPatch) -> None:
     """Device indices pick those GPUs (docker's `--gpus '"device=0,2"'`, podman's CDI devices); an index the host
     lacks is an error naming it."""
@@ -161,6 +174,25 @@ def test_remote_image_pulled_with_credentials_first(monkeypatch: pytest.MonkeyPa
     for image in ("127.0.0.1:5000/m/toy:1", "ghcr.io/o/toy:here", "localhost/toy:here", "toy:1"):
         map_run.ensure_image(image, "podman")
     assert pulled == [("127.0.0.1:5000/m/toy:1", "podman")]
+
+
+def test_the_manifests_container_is_removed_when_its_creation_is_interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the engine creates the container that the manifests are copied from: the engine may have
+    created it already, so it is removed by the name it was given."""
+    created: list[str] = []
+    removed: list[list[str]] = []
+
+    def interrupted_create(argv: list[str], what: str, **kwargs: object) -> None:
+        created.append(argv[argv.index("--name") + 1])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(map_run, "ensure_image", lambda image, tool: None)
+    monkeypatch.setattr(engine, "run", interrupted_create)
+    monkeypatch.setattr(map_run.subprocess, "run", lambda argv, **kwargs: removed.append(argv))
+    with pytest.raises(KeyboardInterrupt):
+        map_run.read_manifests("localhost/seg:1", "podman")
+    assert len(created) == 1 and created[0].startswith("medserve-manifest-")
+    assert removed and removed[-1][-3:] == ["rm", "-f", created[0]]
 
 
 def test_a_missing_local_image_is_refused_not_pulled_from_localhost(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -162,10 +162,11 @@ def test_run_mounts_input_output(toy_image: str, tmp_path: Path) -> None:
                       "cwd": "/var/holoscan"}
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_interrupted_run_removes_its_container(toy_image: str, tmp_path: Path, stop: signal.Signals) -> None:
-    """Ctrl-C or SIGTERM on `medserve run` ends the container too (its entrypoint, the container's first
-    process, ignores the signal the engine passes on), and the exit status says which signal it was."""
+    """Ctrl-C, SIGTERM or a closed terminal (SIGHUP) on `medserve run` ends the container too (its entrypoint,
+    the container's first process, ignores the signal the engine passes on), and the exit status says which
+    signal it was."""
     def containers(running_only: bool = False) -> list[str]:
         listed = podman("ps", "--all", "--filter", f"ancestor={toy_image}", "--format", "{{.Names}} {{.Command}}")
         assert listed.returncode == 0, listed.stderr
