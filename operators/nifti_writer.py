@@ -20,6 +20,8 @@ class NiftiWriterOperator(Operator):
         volume: the volume it was computed on (geometry): a `highdicom.Volume`, or the stock
             DICOMSeriesToVolumeOperator's `Image` (converted as BundleInferenceOperator converts it).
         A label map of another shape than the volume is refused, naming both shapes.
+        output_folder: optional Path, as the stock DICOMSegmentationWriterOperator's: this run's folder; when
+            no operator sends one, the `output_folder` given at construction.
 
     Named output (may be left unconnected; no back-pressure, as the SegWriterOperator's):
         nifti_path: Path of the written file.
@@ -32,12 +34,14 @@ class NiftiWriterOperator(Operator):
     def setup(self, spec: OperatorSpec):
         spec.input("label_map")
         spec.input("volume")
+        spec.input("output_folder").condition(ConditionType.NONE)
         spec.output("nifti_path").condition(ConditionType.NONE)  # optional: see the class docstring
 
     @reports_failures
     def compute(self, op_input, op_output, context):
         label_map = op_input.receive("label_map")
         volume = as_volume(op_input.receive("volume"), role="NIfTI writer volume")
-        self.output_folder.mkdir(parents=True, exist_ok=True)
-        path = write_nifti(label_map, volume, self.output_folder / NIFTI_NAME)
+        folder = Path(op_input.receive("output_folder") or self.output_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = write_nifti(label_map, volume, folder / NIFTI_NAME)
         op_output.emit(records_output(self.fragment, path), "nifti_path")

@@ -32,6 +32,8 @@ class SegWriterOperator(Operator):
               label map's slices in volume order (ascending along the slice normal, as both to-volume operators
               stack them).
         A label map that does not fit the source's images is refused, naming both shapes.
+        output_folder: optional Path, as the stock DICOMSegmentationWriterOperator's: this run's folder; when
+            no operator sends one, the `output_folder` given at construction.
 
     Named output (may be left unconnected, as the stock writer has none; like the stock operators' optional
     outputs it has no back-pressure: one message per run, as apps with a CountCondition(1) loader send):
@@ -46,15 +48,17 @@ class SegWriterOperator(Operator):
     def setup(self, spec: OperatorSpec):
         spec.input("label_map")
         spec.input("source")
+        spec.input("output_folder").condition(ConditionType.NONE)
         spec.output("seg_path").condition(ConditionType.NONE)  # optional: see the class docstring
 
     @reports_failures
     def compute(self, op_input, op_output, context):
         label_map = label_array(op_input.receive("label_map"))
         source = source_images(op_input.receive("source"))
-        self.output_folder.mkdir(parents=True, exist_ok=True)
+        folder = Path(op_input.receive("output_folder") or self.output_folder)
+        folder.mkdir(parents=True, exist_ok=True)
         segmentation = segmentation_of(source, label_map, self.predictor)
-        path = write_seg(segmentation, self.output_folder / SEG_NAME)
+        path = write_seg(segmentation, folder / SEG_NAME)
         op_output.emit(records_output(self.fragment, path), "seg_path")
 
 

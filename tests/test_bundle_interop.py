@@ -111,7 +111,7 @@ class Receiver:
         self.named = named if named else {"volume": value}
 
     def receive(self, name):
-        return self.named[name]
+        return self.named.get(name)  # None, as Holoscan gives for an optional port nothing was sent to
 
 
 class Emitter:
@@ -278,6 +278,26 @@ def test_our_seg_writer_puts_each_slice_on_its_image_of_an_unsorted_stock_select
     assert run_record(fragment).failure is None
     back = hd.seg.segread(tmp_path / "out" / "seg.dcm").get_volume(combine_segments=True)
     np.testing.assert_array_equal(back.match_geometry(volume, tol=1e-3).array, label_map)
+
+
+def test_our_writers_write_into_the_folder_a_run_sends_them(tmp_path, threshold_bundle):
+    """As the stock SEG writer's: an `output_folder` sent on the optional port is this run's folder; without
+    one, the folder given at construction."""
+    folder = write_series(tmp_path / "series", "axial", SQUARE, shape=(4, 16, 16))
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    loaded = load_series(select_series(index_folder(folder))[0].series)
+    label_map = predictor.predict(loaded.volume)
+    fragment = Fragment()
+    record = watch_failures(fragment)
+    seg_writer = SegWriterOperator(fragment, output_folder=tmp_path / "default", predictor=predictor, name="seg")
+    nifti_writer = NiftiWriterOperator(fragment, output_folder=tmp_path / "default", name="nifti")
+    for run in ("study-1", None):
+        sent = {"output_folder": tmp_path / run} if run else {}
+        seg_writer.compute(Receiver(label_map=label_map, source=loaded, **sent), Emitter(), None)
+        nifti_writer.compute(Receiver(label_map=label_map, volume=loaded.volume, **sent), Emitter(), None)
+    assert record.failure is None
+    assert record.outputs == [tmp_path / "study-1" / "seg.dcm", tmp_path / "study-1" / "labels.nii.gz",
+                              tmp_path / "default" / "seg.dcm", tmp_path / "default" / "labels.nii.gz"]
 
 
 def test_our_nifti_writer_takes_the_stock_image_as_its_volume(tmp_path, threshold_bundle):
