@@ -9,8 +9,8 @@ import logging
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Depends, FastAPI, Request
@@ -33,6 +33,7 @@ from medserve.server.runner import execute_async, pull
 from medserve.server.store import ModelStore, check_model_name
 from medserve.server.uploads import UploadStore
 
+T = TypeVar("T")
 log = logging.getLogger("medserve.server.app")
 
 MEDIA = {"seg": "application/dicom", "nifti": "application/gzip"}
@@ -70,8 +71,40 @@ def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) ->
     return fmt
 
 
-def _truthy(value: Any) -> bool:
-    return value in (True, 1) or str(value).lower() in ("1", "true", "yes", "on")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def writeback_option(request: Request, options: dict[str, Any]) -> bool:
+    """`?writeback=` or the form/JSON field: a boolean (JSON) or one of the usual words; anything else is a 400
+    rather than a silent "no"."""
+    value = request.query_params.get("writeback", options.get("writeback", False))
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ApiError(400, "bad_parameter", f"writeback {value!r}: expected true or false")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """`work`, given up when the client goes away (checked twice a second): a client that timed out must not keep
+    its place in the model's queue, nor have its study run. A run already in its thread goes on to its end (it
+    cannot be interrupted), and its result is dropped."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=0.5))[0]:
+            if await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task  # its own failure, if any, is no one's concern now
+                raise ApiError(499, "client_closed_request", "the client went away before the result was ready")
+        return task.result()
+    finally:
+        task.cancel()  # the server is stopping (or done: then a no-op)
+
+
+def idempotency_key(request: Request) -> str | None:
+    """The Idempotency-Key header; an empty one (a client's unset variable) is no key, not one shared by all."""
+    return (request.headers.get("idempotency-key") or "").strip() or None
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -180,9 +213,13 @@ def create_app(config: ServerConfig) -> FastAPI:
             spec, options = await parse_input(request, work / "input", config.max_upload_bytes,
                                               lambda options: requested_format(request, options))
             fmt = choose_format(request, options, spec)
+            if writeback_option(request, options):
+                raise ApiError(400, "bad_parameter", "writeback applies to jobs (POST /v1/jobs), which store the SEG "
+                               "back; a sync request returns it")
             if spec.kind == "dicomweb":
                 spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)
-            outcome = await execute_async(store, name, spec, work / "out", nifti=fmt == "nifti")
+            outcome = await unless_disconnected(request, execute_async(store, name, spec, work / "out",
+                                                                       nifti=fmt == "nifti"))
             result = outcome.result
             path = result.seg_path if fmt == "seg" else result.nifti_path
             if path is None:  # a MAP's app may write only the SEG
@@ -213,7 +250,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/jobs", tags=["jobs"], status_code=202, dependencies=[Depends(require("infer"))])
     async def create_job(request: Request) -> JSONResponse:
         """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
-        key = request.headers.get("idempotency-key")
+        key = idempotency_key(request)
         existing = jobs.find_idempotent(key) if key else None
         named = request.query_params.get("model")
 
@@ -242,7 +279,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             if existing is not None:
                 shutil.rmtree(folder, ignore_errors=True)
                 return _replayed(existing, model)
-            writeback = _truthy(request.query_params.get("writeback", options.get("writeback", False)))
+            writeback = writeback_option(request, options)
             if writeback and spec.kind != "dicomweb":
                 raise ApiError(400, "writeback_needs_dicomweb", "writeback only applies to DICOMweb inputs")
             try:
@@ -279,7 +316,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             check_format(format)
         else:
             accept = request.headers.get("accept", "").lower()
-            format = "nifti" if ("nifti" in accept or "gzip" in accept) else None
+            format = "nifti" if ("nifti" in accept or "gzip" in accept) else "seg" if "application/dicom" in accept \
+                else None
         path, fmt = jobs.result_path(job_id, format)
         return FileResponse(path, media_type=MEDIA[fmt], filename=FILENAMES[fmt])
 

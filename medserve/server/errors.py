@@ -52,7 +52,7 @@ def header_int(text: str | None) -> int | None:
     return int(text) if text is not None and text.isascii() and text.isdigit() else None
 
 
-def client_message(error: MedserveError, *folders: Path) -> str:
+def client_message(error: MedserveError | str, *folders: Path) -> str:
     """The core's message with the server's own `folders` left out (most specific first), so that a file is
     named by its path in what the client sent, and the data folder's layout is not shown."""
     message = str(error)

@@ -165,6 +165,8 @@ def _check_dicom_folder(folder: Path) -> None:
 
 def stage_file(path: Path, dest: Path, max_bytes: int, link: bool = False) -> InputSpec:
     """A single received file (tus upload or raw body) -> InputSpec, by content."""
+    if path.stat().st_size == 0:
+        raise ApiError(400, "empty_input", "the body is empty: expected DICOM, a zip of DICOM files or NIfTI")
     kind = sniff(path)
     dest.mkdir(parents=True, exist_ok=True)
     if kind == "zip":

@@ -43,7 +43,7 @@ import anyio
 
 from medserve.errors import BundleError, MedserveError
 from medserve.server.config import ServerConfig
-from medserve.server.errors import ApiError
+from medserve.server.errors import ApiError, client_message
 from medserve.server.maps import SUFFIX as MAP_SUFFIX
 from medserve.server.maps import MapModel
 
@@ -368,7 +368,7 @@ class ModelStore:
                     self._scan_entry(entry, now)
                 except Exception as error:  # one unreadable model must not keep the others from settling
                     log.exception("model %s cannot be read", name)
-                    entry.state, entry.error, entry.predictor = "failed", f"{type(error).__name__}: {error}", None
+                    entry.state, entry.error, entry.predictor = "failed", self._reason(error), None
                     entry.loaded_fp = entry.settled_fp
                     self._changed()
 
@@ -406,7 +406,7 @@ class ModelStore:
             meta = read_metadata(entry.path)
         except MedserveError as error:
             log.warning("bundle %s is broken: %s", entry.name, error)
-            entry.state, entry.error, entry.loaded_fp = "failed", str(error), fp
+            entry.state, entry.error, entry.loaded_fp = "failed", self._reason(error), fp
             entry.predictor = None
             self._changed()
             return
@@ -448,6 +448,12 @@ class ModelStore:
         except Exception as error:  # state already records the failure
             log.debug("background load of %s failed: %s", entry.name, error)
 
+    def _reason(self, error: Exception) -> str:
+        """Why a model failed, as clients see it: files named by their path in the store (the store's own path is
+        the server's business), a fault of ours or of a library with its type."""
+        text = str(error) if isinstance(error, MedserveError) else f"{type(error).__name__}: {error}"
+        return client_message(text, self.config.store)
+
     def _check_map(self, entry: ModelEntry) -> None:
         """Read the MAP's manifests from its image: `available`, or `failed` naming the image and the reason."""
         assert entry.map is not None
@@ -488,7 +494,7 @@ class ModelStore:
             try:
                 predictor = _default_loader(entry.path, self.config.device)
             except Exception as error:
-                message = str(error) if isinstance(error, MedserveError) else f"{type(error).__name__}: {error}"
+                message = self._reason(error)
                 log.warning("bundle %s failed to load: %s", name, message)
                 with self._lock:
                     entry.state, entry.error = "failed", message

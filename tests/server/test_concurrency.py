@@ -96,6 +96,24 @@ def test_waiting_requests_hold_no_threads(make_server, tmp_path: Path) -> None:
     assert statuses == [200] * 60
 
 
+def test_a_request_whose_client_went_away_leaves_the_queue(make_server, tmp_path: Path) -> None:
+    """A client that gives up while its request waits for a busy model takes its place in the queue with it: the
+    study is not run for nobody, and the requests behind it do not wait for it."""
+    server = with_thr(make_server(concurrency=1, queue_size=4))
+    files = multipart_files(small_study(tmp_path / "study", size=16, slices=8))
+    gate = server.store.entry("thr").gate
+    gate.enter(lambda: None)  # the model is busy, as with a long job
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/models/thr/infer", files=files, timeout=httpx.Timeout(30, read=2))
+        _wait_for(lambda: gate.waiting == 0, "the abandoned request still waits in the queue")
+    finally:
+        gate.leave()
+    assert gate.active == 0
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'medserve_requests_total{endpoint="v1",model="thr",status="499"} 1.0' in metrics
+
+
 class _LoopThread:
     """An asyncio event loop in a thread, as the server's: coroutines are submitted from the test thread."""
 

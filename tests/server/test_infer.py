@@ -327,6 +327,10 @@ def test_malformed_input_fields_give_400_not_500(thr_server, tmp_path: Path) -> 
     assert r.status_code == 400 and r.json()["error"] == "bad_format", r.text
     r = httpx.post(thr_server.url + "/v1/jobs", json={"upload": upload, "model": 5})
     assert r.status_code == 400 and r.json()["error"] == "bad_model_name" and "5" in r.json()["message"]
+    r = httpx.post(url, json={"upload": upload, "writeback": True})  # only a job stores the SEG back
+    assert r.status_code == 400 and r.json()["error"] == "bad_parameter" and "POST /v1/jobs" in r.json()["message"]
+    r = httpx.post(url, content=b"", headers=zip_body)
+    assert r.status_code == 400 and r.json()["error"] == "empty_input", r.text
 
     for head, header in (
             (b"POST /v1/uploads HTTP/1.1\r\nHost: x\r\nTus-Resumable: 1.0.0\r\nUpload-Length: \xb2\r\n",

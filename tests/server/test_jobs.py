@@ -71,6 +71,9 @@ def test_job_lifecycle_idempotency_cancel(make_server, study: Path) -> None:
     assert seg.status_code == 200 and pydicom.dcmread(io.BytesIO(seg.content)).Modality == "SEG"
     nifti = httpx.get(url + done["result_url"] + "?format=nifti")
     assert nifti.status_code == 200 and nifti.content[:2] == b"\x1f\x8b"
+    for accept, media in (("application/gzip", "application/gzip"), ("application/dicom", "application/dicom")):
+        by_accept = httpx.get(url + done["result_url"], headers={"Accept": accept})
+        assert by_accept.status_code == 200 and by_accept.headers["content-type"] == media
     # unknown model and unknown job
     assert httpx.post(url + "/v1/jobs?model=nope", files=files).status_code == 404
     assert httpx.get(url + "/v1/jobs/" + "0" * 32).status_code == 404
@@ -221,6 +224,22 @@ def test_idempotency_key_compares_the_model_from_any_source(thr_server, study: P
     assert other.status_code in (404, 409), other.text  # the unknown upload may be noticed first
     assert _wait(url, first.json()["id"], ("succeeded",))["model"] == "thr"
     assert sorted(p.name for p in thr_server.config.jobs_dir.iterdir()) == [first.json()["id"]]
+
+
+def test_an_empty_idempotency_key_is_no_key_and_writeback_must_be_a_boolean(thr_server, study: Path) -> None:
+    """A client's unset variable sends `Idempotency-Key:` empty: two such requests are two jobs, not a replay of
+    the first for every later one. `writeback` that is not true or false is refused, not taken as false."""
+    url, files = thr_server.url, multipart_files(study)
+    first = httpx.post(url + "/v1/jobs?model=thr", files=files, headers={"Idempotency-Key": ""})
+    second = httpx.post(url + "/v1/jobs?model=thr", files=files, headers={"Idempotency-Key": ""})
+    assert first.status_code == second.status_code == 202, (first.text, second.text)
+    assert first.json()["id"] != second.json()["id"]
+    for query, form in (("&writeback=2", {}), ("", {"writeback": "yes please"})):
+        r = httpx.post(url + "/v1/jobs?model=thr" + query, files=files, data=form)
+        assert r.status_code == 400 and r.json()["error"] == "bad_parameter", r.text
+        assert r.json()["message"] == f"writeback {form.get('writeback', '2')!r}: expected true or false"
+    for job in (first, second):
+        assert _wait(url, job.json()["id"], ("succeeded",))["state"] == "succeeded"
 
 
 def test_writeback_rerun_after_a_crash_stows_the_same_seg(tmp_path: Path, store_dir: Path, study: Path) -> None:
@@ -702,6 +721,23 @@ def test_a_result_removed_from_the_data_dir_is_a_json_410(thr_server, study: Pat
     assert r.status_code == 410 and r.json() == {
         "error": "result_gone", "message": f"job {job['id']}'s seg result is no longer on the server"}, r.text
     assert httpx.get(f"{url}/v1/jobs/{job['id']}/result?format=nifti").status_code == 200
+
+
+def test_a_job_result_follows_the_accept_header_and_says_when_it_cannot(thr_server, tmp_path: Path) -> None:
+    """A NIfTI input's job writes the label map only: `Accept: application/dicom` is 406, not a gzip answer."""
+    import nibabel as nib
+    import numpy as np
+
+    image = tmp_path / "image.nii.gz"
+    nib.save(nib.Nifti1Image(np.linspace(-1000, 1000, 16 ** 3, dtype=np.float32).reshape(16, 16, 16), np.eye(4)),
+             image)
+    url = thr_server.url
+    job = httpx.post(url + "/v1/jobs?model=thr", files={"file": ("image.nii.gz", image.read_bytes())}).json()
+    assert _wait(url, job["id"], ("succeeded", "failed"))["outputs"] == ["nifti"]
+    r = httpx.get(f"{url}/v1/jobs/{job['id']}/result", headers={"Accept": "application/dicom"})
+    assert r.status_code == 406 and r.json()["error"] == "format_unavailable", r.text
+    r = httpx.get(f"{url}/v1/jobs/{job['id']}/result", headers={"Accept": "*/*"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/gzip"
 
 
 def test_a_folder_of_other_files_is_refused_as_data_dir(base_config, tmp_path: Path) -> None:
