@@ -19,7 +19,7 @@ from pydicom.dataset import Dataset
 
 from medserve.bundle.predictor import BundlePredictor
 from medserve.dicom.index import index_folder, is_multiframe_dataset
-from medserve.dicom.select import select_series
+from medserve.dicom.select import first_selected, select_series
 from medserve.dicom.volume import LoadedSeries, load_series, lps_affine, multiframe_geometry
 from medserve.errors import NiftiInputError
 from medserve.writers.nifti import write_nifti
@@ -90,7 +90,7 @@ def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path |
         clock = now
 
     index = index_folder(study_dir)
-    selected = select_series(index, rules)[0].series
+    selected = first_selected(select_series(index, rules)).series
     source = load_series(selected)
     lap("load")
     label_map = predictor.predict(source.volume)

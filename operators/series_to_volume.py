@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import logging
-
 import highdicom as hd
 import numpy as np
 from monai.deploy.core import ConditionType, Operator, OperatorSpec
 from monai.deploy.core.domain.image import Image
 
 from medserve.dicom.index import Series
+from medserve.dicom.select import first_selected
 from medserve.dicom.volume import load_series, ras_affine
 from operators.failures import reports_failures
 from operators.sdk_domain import stock_image_metadata
-
-log = logging.getLogger("medserve.app")
 
 
 class SeriesToVolumeOperator(Operator):
@@ -40,10 +37,7 @@ class SeriesToVolumeOperator(Operator):
 
     @reports_failures
     def compute(self, op_input, op_output, context):
-        choice, *others = op_input.receive("selected_series")
-        if others:  # as the stock operator, one volume per run: say which selections are left aside
-            log.warning("%d more selected series not segmented (only the first is): %s", len(others),
-                        ", ".join(f"{o.series.series_uid} of study {o.series.study_uid}" for o in others))
+        choice = first_selected(op_input.receive("selected_series"))
         source = load_series(choice.series)
         op_output.emit(source.volume, "volume")
         op_output.emit(source, "source")

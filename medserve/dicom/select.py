@@ -307,6 +307,16 @@ def select_series(index: StudyIndex, rules: str | Path | dict[str, Any] | None =
     return selected
 
 
+def first_selected(selected: list[SelectedSeries]) -> SelectedSeries:
+    """The selection that is segmented: the first, as the stock operators take one volume per run. The others
+    (more studies in the input, or `all_matched`) are named in a warning rather than dropped silently."""
+    choice, *others = selected
+    if others:
+        log.warning("%d more selected series not segmented (only the first is): %s", len(others),
+                    ", ".join(f"{o.series.series_uid} of study {o.series.study_uid}" for o in others))
+    return choice
+
+
 def _not_a_volume(series: Series) -> VolumeError | None:
     """Why the headers of `series` do not form a volume (a DWI's repeated positions, a localizer's planes, an
     Enhanced object holding several phases), or None when they do. Checked before any pixels are read, as

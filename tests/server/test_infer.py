@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import socket
 import struct
@@ -341,6 +342,26 @@ def test_malformed_input_fields_give_400_not_500(thr_server, tmp_path: Path) -> 
              "Inference-Header-Content-Length")):
         status, body = _raw_request(thr_server.url, head + b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
         assert status == 400 and header in (body.get("message") or body["error"]), body
+
+
+def test_an_input_of_two_studies_segments_the_first_and_names_the_other(thr_server, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """As the app does: one volume per request; the study left aside is named in the log, not dropped silently,
+    and the response says which study and series the SEG is of."""
+    first, second = (small_study(tmp_path / name, size=16, slices=4, seed=k) for k, name in enumerate("ab"))
+    uid = {name: pydicom.dcmread(next(folder.iterdir())) for name, folder in (("a", first), ("b", second))}
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for folder in (first, second):
+            for path in sorted(folder.iterdir()):
+                zf.write(path, f"{folder.name}/{path.name}")
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.select"):
+        r = httpx.post(thr_server.url + "/v1/models/thr/infer", content=buffer.getvalue(),
+                       headers={"Content-Type": "application/zip"})
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Medserve-Study-UID"] == uid["a"].StudyInstanceUID
+    assert (f"1 more selected series not segmented (only the first is): {uid['b'].SeriesInstanceUID} of study "
+            f"{uid['b'].StudyInstanceUID}") in caplog.messages
 
 
 def test_request_bodies_over_the_limit_give_413(make_server) -> None:
