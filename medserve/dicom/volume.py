@@ -115,12 +115,18 @@ def _orthonormal(orientation: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     highdicom's Volume accepts; else (3-decimal ones are orthogonal to about 1e-3 only) the orthonormal pair
     nearest to them: the polar factor of the 3x2 matrix."""
     row, column = orientation[:3], orientation[3:]
-    if (abs(row @ column) <= _ORIENTATION_TOLERANCE and abs(np.linalg.norm(row) - 1) <= _ORIENTATION_TOLERANCE * 10
-            and abs(np.linalg.norm(column) - 1) <= _ORIENTATION_TOLERANCE * 10):
+    length, skew = _deviation_from_orthonormal(row, column)
+    if length <= _ORIENTATION_TOLERANCE * 10 and skew <= _ORIENTATION_TOLERANCE:
         return row, column
     u, _, vt = np.linalg.svd(orientation.reshape(2, 3).T, full_matrices=False)
     row, column = (u @ vt).T
     return row, column
+
+
+def _deviation_from_orthonormal(row: np.ndarray, column: np.ndarray) -> tuple[float, float]:
+    """How far direction cosines are from unit length (the larger of the two) and from orthogonal (|row . column|)."""
+    length = max(abs(np.linalg.norm(row) - 1), abs(np.linalg.norm(column) - 1))
+    return float(length), float(abs(row @ column))
 
 
 def ordered_instances(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> list[Instance]:
@@ -243,10 +249,7 @@ def _checked_reference(instance: Instance, keyword: str, count: int) -> np.ndarr
     if keyword == "PixelSpacing" and values.min() <= 0:
         raise VolumeError(f"{instance.path}: PixelSpacing {values.tolist()}: expected two positive spacings (mm)")
     if keyword == "ImageOrientationPatient":
-        row, column = values[:3], values[3:]
-        if (abs(np.linalg.norm(row) - 1) > _ORTHONORMAL_TOLERANCE
-                or abs(np.linalg.norm(column) - 1) > _ORTHONORMAL_TOLERANCE
-                or abs(row @ column) > _ORTHONORMAL_TOLERANCE):
+        if max(_deviation_from_orthonormal(values[:3], values[3:])) > _ORTHONORMAL_TOLERANCE:
             raise VolumeError(f"{instance.path}: ImageOrientationPatient {values.tolist()}: expected two orthogonal "
                               f"unit vectors (row and column direction cosines)")
     return values
