@@ -232,6 +232,47 @@ def test_an_enhanced_image_written_without_the_preamble_is_read(tmp_path, phanto
                                atol=0.5)
 
 
+def _enhanced_of(single: Path, folder: Path) -> Path:
+    datasets = [pydicom.dcmread(p) for p in sorted(single.iterdir())]
+    folder.mkdir()
+    hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=datasets, series_instance_uid=pydicom.uid.generate_uid(), series_number=3,
+        sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1).save_as(folder / "enhanced.dcm")
+    return folder
+
+
+def test_an_enhanced_image_of_thin_slices_with_rounded_positions_forms_a_volume(tmp_path, phantom):
+    """The frames of an Enhanced image get the single-frame series' tolerance: positions written with 2 decimals
+    are off by more than 1 % of a 0.5 mm spacing along an oblique normal (highdicom's own tolerance)."""
+    geometry = SeriesGeometry(origin=(12.5, -40.0, 310.0), orientation=ORIENTATIONS["oblique"],
+                              pixel_spacing=(0.7, 0.7), slice_spacing=0.5)
+    written = write_ct_series(phantom.hu, tmp_path / "single", geometry)
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        dataset.ImagePositionPatient = [f"{float(v):.2f}" for v in dataset.ImagePositionPatient]
+        dataset.save_as(path)
+    multi = _enhanced_of(tmp_path / "single", tmp_path / "multi")
+    volume = volume_of(multi)
+    np.testing.assert_allclose(volume.affine, geometry.affine(), atol=0.01)
+    np.testing.assert_allclose(volume.array, phantom.hu, atol=0.5)
+    series = index_folder(multi).all_series[0]
+    assert select_series(index_folder(multi))[0].series.series_uid == series.series_uid
+
+
+def test_an_enhanced_image_whose_spacing_changes_along_the_stack_is_refused(tmp_path, phantom):
+    """As single-frame slices are: each gap is within the tolerance of the mean gap, yet frames lie 0.12 mm from
+    where a regular spacing puts them. Both the default selection and the volume refuse it."""
+    _shift_slices(write_ct_series(phantom.hu, tmp_path / "single", SeriesGeometry(slice_spacing=0.6)),
+                  lambda k: 0.025 * max(k - 10, 0))
+    multi = _enhanced_of(tmp_path / "single", tmp_path / "multi")
+    refusal = (r"enhanced.dcm: multi-frame image does not form a regular volume \(frame spacing is irregular: the "
+               r"frame at .* mm along the normal lies 0\.1\d\d mm")
+    with pytest.raises(VolumeError, match=refusal):
+        select_series(index_folder(multi))
+    with pytest.raises(VolumeError, match=refusal):
+        series_to_volume(index_folder(multi).all_series[0])
+
+
 def test_a_series_of_several_multiframe_objects_is_refused_with_the_reason(tmp_path, phantom):
     single = tmp_path / "single"
     write_ct_series(phantom.hu, single)

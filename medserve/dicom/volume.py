@@ -69,7 +69,7 @@ class LoadedSeries:
 def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> LoadedSeries:
     """Build the volume of `series`; raise VolumeError naming the file and the problem if it is not regular."""
     if series.is_multiframe:
-        return LoadedSeries(series, _multiframe_volume(series.instances[0]), list(series.instances))
+        return LoadedSeries(series, _multiframe_volume(series.instances[0], tolerance), list(series.instances))
     ordered, spacing = _volume_order(series, tolerance)
     first = ordered[0].dataset
     shape = (len(ordered), int(first.Rows), int(first.Columns))
@@ -283,7 +283,7 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
         paths = [str(instances[i].path) for i in np.flatnonzero(np.abs(distances - duplicate) < 1e-3)]
         raise VolumeError(f"duplicated slice at {duplicate:.3f} mm along the slice normal: {', '.join(paths)}")
     position_list, orientation_list = positions.tolist(), orientation.tolist()
-    atol = max(tolerance.rtol * gaps.mean(), _POSITION_ROUNDING_MM)  # highdicom's rtol is of the mean spacing
+    atol = _spacing_atol(gaps, tolerance)
     spacing, indices = hd.spatial.get_volume_positions(position_list, orientation_list, atol=atol,
                                                        sort=True, handedness=_ALONG_NORMAL)
     if spacing is None or indices is None:
@@ -303,28 +303,92 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
                               f"each ImagePositionPatient on the line through the first along the normal")
         raise VolumeError(f"slice spacing is irregular (between {gaps.min():.3f} and {gaps.max():.3f} mm, "
                           f"tolerance {atol:.3f} mm) or slices are not stacked along their normal")
-    # highdicom compares each gap with the mean gap: gaps that change along the stack (0.600 mm, then 0.625 mm)
-    # pass that one by one while the slices drift millimetres from where a regular spacing puts them.
-    drift = sorted_distances - (sorted_distances[0] + abs(spacing) * np.arange(len(instances)))
-    if np.abs(drift).max() > atol:
-        where = int(np.argmax(np.abs(drift)))
-        raise VolumeError(f"slice spacing is irregular: the slice at {sorted_distances[where]:.3f} mm along the "
-                          f"normal lies {abs(drift[where]):.3f} mm from where a regular spacing of {spacing:.4f} mm "
-                          f"puts it (tolerance {atol:.3f} mm)")
+    _check_drift(sorted_distances, atol, "slice")
     order = [0] * len(instances)
     for position, volume_index in enumerate(indices):
         order[volume_index] = position
     return order, float(spacing)
 
 
-def multiframe_geometry(dataset: pydicom.Dataset) -> hd.VolumeGeometry:
+def _spacing_atol(gaps: np.ndarray, tolerance: SpacingTolerance) -> float:
+    """How far, in mm, slice positions may lie from a regular stack: `tolerance` of the mean spacing (highdicom's
+    rtol is of the mean spacing too), and never less than what positions written with 2 decimals are off by."""
+    return max(tolerance.rtol * float(gaps.mean()), _POSITION_ROUNDING_MM)
+
+
+def _check_drift(sorted_distances: np.ndarray, atol: float, what: str) -> None:
+    """Refuse slices that lie further than `atol` from where the regular spacing (their mean gap) puts them.
+
+    highdicom compares each gap with the mean gap: gaps that change along the stack (0.600 mm, then 0.625 mm) pass
+    that one by one while the slices drift millimetres from where a regular spacing puts them."""
+    spacing = (sorted_distances[-1] - sorted_distances[0]) / (len(sorted_distances) - 1)
+    drift = sorted_distances - (sorted_distances[0] + spacing * np.arange(len(sorted_distances)))
+    if np.abs(drift).max() > atol:
+        where = int(np.argmax(np.abs(drift)))
+        raise VolumeError(f"{what} spacing is irregular: the {what} at {sorted_distances[where]:.3f} mm along the "
+                          f"normal lies {abs(drift[where]):.3f} mm from where a regular spacing of {spacing:.4f} mm "
+                          f"puts it (tolerance {atol:.3f} mm)")
+
+
+def _frame_distances(dataset: pydicom.Dataset) -> np.ndarray | None:
+    """Where the frames of a multi-frame image lie along its normal (mm, ascending); None when they do not all
+    carry one plane position and one orientation (highdicom then tells what is wrong)."""
+    shared = dataset.get("SharedFunctionalGroupsSequence") or [pydicom.Dataset()]
+    per_frame = dataset.get("PerFrameFunctionalGroupsSequence") or []
+
+    def plane_value(frame: pydicom.Dataset, sequence: str, keyword: str) -> list | None:
+        for groups in (frame, shared[0]):
+            items = groups.get(sequence)
+            if items and keyword in items[0]:
+                return items[0][keyword].value
+        return None
+
+    try:
+        orientations = {tuple(float(v) for v in plane_value(frame, "PlaneOrientationSequence",
+                                                            "ImageOrientationPatient") or ())
+                        for frame in per_frame}
+        positions = np.asarray([[float(v) for v in plane_value(frame, "PlanePositionSequence",
+                                                               "ImagePositionPatient") or ()]
+                                for frame in per_frame], dtype=np.float64)
+    except (TypeError, ValueError):
+        return None
+    if len(per_frame) < 2 or len(orientations) != 1 or positions.shape != (len(per_frame), 3):
+        return None
+    orientation = np.asarray(orientations.pop())
+    if orientation.shape != (6,):
+        return None
+    normal = np.cross(*_orthonormal(orientation))
+    return np.sort(positions @ normal)
+
+
+def _multiframe_atol(dataset: pydicom.Dataset, name: str, tolerance: SpacingTolerance) -> float | None:
+    """The spacing tolerance of a multi-frame image's frames, as `_slice_order` has it for single-frame slices,
+    after refusing frames that drift from a regular spacing beyond it; None (highdicom's own tolerance) when the
+    frames' positions cannot be read here."""
+    distances = _frame_distances(dataset)
+    if distances is None:
+        return None
+    gaps = np.diff(distances)
+    if np.any(gaps < 1e-3):
+        return None  # several frames at one position: highdicom refuses them (allow_duplicate_positions=False)
+    atol = _spacing_atol(gaps, tolerance)
+    try:
+        _check_drift(distances, atol, "frame")
+    except VolumeError as error:
+        raise VolumeError(f"{name}: multi-frame image does not form a regular volume ({error})") from None
+    return atol
+
+
+def multiframe_geometry(dataset: pydicom.Dataset,
+                        tolerance: SpacingTolerance = SpacingTolerance()) -> hd.VolumeGeometry:
     """Where the frames of a multi-frame (Enhanced) image lie as a volume, slices ascending along the normal as
     `load_series` stacks them: a label map in that order becomes a Volume (`with_array`) that highdicom maps onto
     the frames by position, whatever order they are stored in. VolumeError when they do not form a volume."""
     name = getattr(dataset, "filename", None) or f"SOP instance {dataset.get('SOPInstanceUID', '?')}"
+    atol = _multiframe_atol(dataset, name, tolerance)
     try:  # from_dataset without copying converts the object it is given: a shallow copy keeps the caller's as it is
         geometry = hd.Image.from_dataset(copy.copy(dataset), copy=False).get_volume_geometry(
-            allow_duplicate_positions=False)  # as get_volume: several phases at one position are no volume
+            atol=atol, allow_duplicate_positions=False)  # as get_volume: several phases at one position are no volume
     except Exception as error:  # highdicom raises assorted types on frame layouts it cannot place
         raise VolumeError(f"{name}: multi-frame image does not form a regular volume ({error})") from error
     if geometry is None:
@@ -352,7 +416,7 @@ def _optional_decimals(dataset: pydicom.Dataset, keyword: str) -> tuple[float, .
         return None  # unreadable text counts as absent: the spacing has a fallback
 
 
-def _multiframe_volume(instance: Instance) -> hd.Volume:
+def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Volume:
     """Enhanced CT/MR: highdicom reads per-frame functional groups and applies the modality transform only, as
     for single-frame slices: not a Real World Value Mapping (which Enhanced MR often carries, in other units than
     the modality's) and not the presentation LUT."""
@@ -361,8 +425,10 @@ def _multiframe_volume(instance: Instance) -> hd.Volume:
     except Exception as error:  # pydicom raises assorted types on damaged files
         raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
     try:
+        atol = _multiframe_atol(dataset, str(instance.path), tolerance)
         image = hd.Image.from_dataset(dataset, copy=False)
-        volume = image.get_volume(dtype=np.float32, apply_real_world_transform=False, apply_presentation_lut=False)
+        volume = image.get_volume(dtype=np.float32, apply_real_world_transform=False, apply_presentation_lut=False,
+                                  atol=atol)
     except Exception as error:  # highdicom raises ValueError/RuntimeError for non-volume frame layouts
         raise VolumeError(f"{instance.path}: multi-frame image does not form a regular volume ({error})") from error
     if volume.array.ndim != 3:
