@@ -4,7 +4,8 @@ Each upload is two files under `<data-dir>/uploads/`: `ID.bin` (the bytes receiv
 offset, so a crash loses nothing that was written) and `ID.json` (declared length, metadata, expiry). Bodies are
 streamed to disk in 1 MiB-4 MiB writes off the event loop; nothing is held in memory. A PATCH that would go past
 the declared length is refused with 413 and its bytes are dropped; a PATCH whose Upload-Checksum does not match
-is dropped with 460.
+is dropped with 460. A checksummed PATCH is received into `ID.part` and appended to `ID.bin` only once its digest
+matches, so that a crash in the middle of it leaves no unverified bytes for a resuming client to build on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -83,6 +85,8 @@ class UploadStore:
         self.max_bytes = max_bytes
         self.expiry_seconds = expiry_seconds
         self._locks: dict[str, asyncio.Lock] = {}
+        for staged in self.root.glob("*.part"):  # the unverified bytes of a checksummed PATCH that a crash cut
+            staged.unlink(missing_ok=True)
 
     def _paths(self, upload_id: str) -> tuple[Path, Path]:
         if not ID_RE.match(upload_id):
@@ -138,8 +142,12 @@ class UploadStore:
         info.expires = time.time() + self.expiry_seconds
         self._write_info(info)
 
+    def staged_path(self, upload_id: str) -> Path:
+        """Where a checksummed PATCH puts its bytes until they are verified."""
+        return self._paths(upload_id)[0].with_suffix(".part")
+
     def delete(self, upload_id: str) -> None:
-        for path in self._paths(upload_id):
+        for path in (*self._paths(upload_id), self.staged_path(upload_id)):
             path.unlink(missing_ok=True)
         if not self.busy(upload_id):
             self._locks.pop(upload_id, None)
@@ -286,7 +294,11 @@ async def patch(request: Request, upload_id: str) -> Response:
         if claimed_offset != offset:
             raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
                            {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
-        received = await _receive(request, data_path, offset, info.length, checksum)
+        if checksum is None:
+            received = await _receive(request, data_path, offset, info.length)
+        else:
+            received = await _receive_verified(request, data_path, store.staged_path(upload_id), offset,
+                                               info.length, checksum)
         store.touch(info)
         new_offset = offset + received
         if new_offset == info.length:
@@ -295,42 +307,67 @@ async def patch(request: Request, upload_id: str) -> Response:
             "Upload-Offset": str(new_offset), "Upload-Expires": _http_date(info.expires)}))
 
 
-async def _receive(request: Request, path: Path, offset: int, length: int,
-                   checksum: tuple[Any, bytes] | None) -> int:
-    """Stream the body to `path` at `offset`; returns bytes kept. Rolls back on overflow or bad checksum."""
-    received = 0
-    buffer = bytearray()
-    disconnected = False
+async def _receive(request: Request, path: Path, offset: int, length: int) -> int:
+    """Stream the body onto the upload at `offset`; returns the bytes kept: what arrived, also from a client that
+    went away (that is what resuming is for)."""
     with open(path, "r+b") as out:
         out.seek(offset)
-        try:
-            async for chunk in request.stream():
-                received += len(chunk)
-                if offset + received > length:
-                    await anyio.to_thread.run_sync(_truncate, out, offset)
-                    raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {length}",
-                                   {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
-                if checksum is not None:
-                    checksum[0].update(chunk)
-                buffer += chunk
-                if len(buffer) >= WRITE_BATCH:
-                    await anyio.to_thread.run_sync(out.write, bytes(buffer))
-                    buffer.clear()
-        except ClientDisconnect:
-            # The client went away: keep what arrived (that is what resuming is for) unless it was checksummed.
-            disconnected = True
-        if checksum is not None and (disconnected or checksum[0].digest() != checksum[1]):
-            await anyio.to_thread.run_sync(_truncate, out, offset)
-            if disconnected:
-                return 0
-            raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk dropped",
-                           {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
-        if buffer:
-            await anyio.to_thread.run_sync(out.write, bytes(buffer))
-        await anyio.to_thread.run_sync(out.flush)
+        received, disconnected = await _write_body(request, out, offset, length, None)
     if disconnected:
         log.info("upload %s: client disconnected after %d bytes; kept for resuming", path.stem, received)
     return received
+
+
+async def _receive_verified(request: Request, path: Path, staged: Path, offset: int, length: int,
+                            checksum: tuple[Any, bytes]) -> int:
+    """Stream a checksummed body into `staged`, then append it to the upload if its digest matches; returns the
+    bytes kept (none when the client went away before the end: the digest is of the whole body)."""
+    digest, expected = checksum
+    try:
+        with open(staged, "wb") as out:
+            received, disconnected = await _write_body(request, out, offset, length, digest)
+        if disconnected:
+            return 0
+        if digest.digest() != expected:
+            raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk dropped",
+                           {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
+        await anyio.to_thread.run_sync(_append, staged, path)
+        return received
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+async def _write_body(request: Request, out: Any, offset: int, length: int, digest: Any | None) -> tuple[int, bool]:
+    """Write the body to `out` from where it stands: (bytes received, whether the client went away). A body that
+    goes past the upload's declared `length` (it starts at `offset`) is dropped from `out` with 413."""
+    start = out.tell()
+    received = 0
+    buffer = bytearray()
+    disconnected = False
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if offset + received > length:
+                await anyio.to_thread.run_sync(_truncate, out, start)
+                raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {length}",
+                               {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
+            if digest is not None:
+                digest.update(chunk)
+            buffer += chunk
+            if len(buffer) >= WRITE_BATCH:
+                await anyio.to_thread.run_sync(out.write, bytes(buffer))
+                buffer.clear()
+    except ClientDisconnect:
+        disconnected = True
+    if buffer:
+        await anyio.to_thread.run_sync(out.write, bytes(buffer))
+    await anyio.to_thread.run_sync(out.flush)
+    return received, disconnected
+
+
+def _append(staged: Path, path: Path) -> None:
+    with open(staged, "rb") as source, open(path, "ab") as out:
+        shutil.copyfileobj(source, out, WRITE_BATCH)
 
 
 def _truncate(handle: Any, offset: int) -> None:

@@ -18,8 +18,8 @@ from tusclient import client as tus
 from tusclient.storage.filestorage import FileStorage
 
 from medserve.server.errors import ApiError
-from medserve.server.uploads import UploadStore
-from tests.server.conftest import add_bundle
+from medserve.server.uploads import WRITE_BATCH, UploadStore
+from tests.server.conftest import ServerProcess, add_bundle, free_port
 
 TUS = {"Tus-Resumable": "1.0.0"}
 
@@ -97,6 +97,42 @@ def _create(server, length: int, **headers: str) -> str:
 def _patch(url: str, data: bytes, offset: int, **headers: str) -> httpx.Response:
     return httpx.patch(url, content=data, headers={**TUS, "Upload-Offset": str(offset),
                                                    "Content-Type": "application/offset+octet-stream", **headers})
+
+
+def test_a_crash_in_the_middle_of_a_checksummed_patch_keeps_none_of_its_bytes(tmp_path: Path,
+                                                                             store_dir: Path) -> None:
+    """kill -9 while a checksummed PATCH streams: its bytes were never verified, so after a restart the offset is
+    where it was before that PATCH, and the client resends the chunk from there."""
+    data_dir = tmp_path / "data"
+    args = ["--store", str(store_dir), "--data-dir", str(data_dir), "--device", "cpu"]
+    server = ServerProcess(args, free_port()).start()
+    body = os.urandom(3 * WRITE_BATCH)
+    checksum = "sha1 " + base64.b64encode(hashlib.sha1(body).digest()).decode()
+    try:
+        location = _create(server, len(body))
+        upload_id = location.rsplit("/", 1)[-1]
+        head = (f"PATCH /v1/uploads/{upload_id} HTTP/1.1\r\nHost: 127.0.0.1\r\nTus-Resumable: 1.0.0\r\n"
+                f"Upload-Offset: 0\r\nContent-Type: application/offset+octet-stream\r\n"
+                f"Upload-Checksum: {checksum}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(head + body[:len(body) - WRITE_BATCH // 2])
+            deadline = time.monotonic() + 30
+            while sum(p.stat().st_size for p in (data_dir / "uploads").glob(f"{upload_id}.*")
+                      if p.suffix != ".json") < 2 * WRITE_BATCH:  # the server has written two batches
+                assert time.monotonic() < deadline, "the server never wrote the PATCH's first batches"
+                time.sleep(0.05)
+            server.kill()
+    finally:
+        server.kill()
+    restarted = ServerProcess(args, server.port).start()
+    try:
+        assert httpx.head(location, headers=TUS).headers["Upload-Offset"] == "0"
+        assert not list((data_dir / "uploads").glob("*.part"))  # the unverified bytes are gone
+        resent = _patch(location, body, 0, **{"Upload-Checksum": checksum})
+        assert (resent.status_code, resent.headers["Upload-Offset"]) == (204, str(len(body))), resent.text
+        assert (data_dir / "uploads" / f"{upload_id}.bin").read_bytes() == body
+    finally:
+        restarted.stop()
 
 
 def test_metadata_comes_back_as_sent(make_server) -> None:
