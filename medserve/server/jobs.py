@@ -105,8 +105,11 @@ class JobQueue:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")  # durable against a killed process, cheap commits
         self._db.executescript(SCHEMA)
-        if "writeback_result" not in {column["name"] for column in self._db.execute("PRAGMA table_info(jobs)")}:
+        columns = {column["name"] for column in self._db.execute("PRAGMA table_info(jobs)")}
+        if "writeback_result" not in columns:
             self._add_writeback_result()
+        if "segmented" not in columns:  # jobs from before it read `segmented: null` (not recorded)
+            self._db.execute("ALTER TABLE jobs ADD COLUMN segmented TEXT")
         self._lock = threading.Lock()
         self._closed = False
         self._wake = threading.Condition()
@@ -235,6 +238,7 @@ class JobQueue:
             "attempts": row["attempts"],
             "timings": {k: round(v, 4) for k, v in json.loads(row["timings"]).items()} if row["timings"] else {},
             "segments": json.loads(row["segments"]) if row["segments"] else None,
+            "segmented": json.loads(row["segmented"]) if row["segmented"] else None,
             "outputs": sorted(outputs), "error": row["error"],
             "result_url": f"/v1/jobs/{row['id']}/result" if row["state"] == "succeeded" else None,
             "writeback_result": self._writeback_result(row),
@@ -443,8 +447,10 @@ class JobQueue:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # the files are in place before the row says so
         segments = json.dumps(getattr(result, "segments", None), default=int)
-        saved = self._exec("UPDATE jobs SET outputs=?, segments=?, timings=? WHERE id=? AND state='running' "
-                           "RETURNING id", (json.dumps(outputs), segments, json.dumps(timings), job_id))
+        segmented = _segmented(result)
+        saved = self._exec("UPDATE jobs SET outputs=?, segments=?, segmented=?, timings=? WHERE id=? AND "
+                           "state='running' RETURNING id",
+                           (json.dumps(outputs), segments, segmented, json.dumps(timings), job_id))
         if not saved:
             raise Cancelled()
         return outputs
@@ -483,6 +489,15 @@ class JobQueue:
                    "timings=? WHERE id=? AND state='running'", (time.time(), message, json.dumps(timings), job_id))
         for name in ("result.tmp", "result"):
             shutil.rmtree(self.job_dir(job_id) / name, ignore_errors=True)
+
+
+def _segmented(result: Any) -> str | None:
+    """The study and series a DICOM input's SEG was made of (an input may hold several; one is segmented), as the
+    job's JSON shows them; None for a NIfTI input."""
+    study, series = getattr(result, "study_uid", None), getattr(result, "series_uid", None)
+    if study is None and series is None:
+        return None
+    return json.dumps({"study_uid": study, "series_uid": series})
 
 
 def _unknown_job(job_id: str) -> ApiError:

@@ -11,6 +11,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import pydicom
 import pytest
 
 from medserve.server.dicomweb import DicomWebClient, DicomWebError
+from medserve.server.jobs import FINAL
 from tests.server.conftest import (REPO, FakeDicomWeb, add_bundle, bundle_snapshot, multipart_files, small_study,
                                    with_thr)
 
@@ -362,6 +364,15 @@ def test_an_input_of_two_studies_segments_the_first_and_names_the_other(thr_serv
     assert r.headers["X-Medserve-Study-UID"] == uid["a"].StudyInstanceUID
     assert (f"1 more selected series not segmented (only the first is): {uid['b'].SeriesInstanceUID} of study "
             f"{uid['b'].StudyInstanceUID}") in caplog.messages
+    # A job records it too, for the client that polls it later.
+    job = httpx.post(thr_server.url + "/v1/jobs?model=thr", content=buffer.getvalue(),
+                     headers={"Content-Type": "application/zip"}).json()
+    deadline = time.monotonic() + 60
+    while (job := httpx.get(f"{thr_server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL:
+        assert time.monotonic() < deadline, job
+        time.sleep(0.1)
+    assert job["state"] == "succeeded", job
+    assert job["segmented"] == {"study_uid": uid["a"].StudyInstanceUID, "series_uid": uid["a"].SeriesInstanceUID}
 
 
 def test_request_bodies_over_the_limit_give_413(make_server) -> None:

@@ -67,6 +67,8 @@ def test_job_lifecycle_idempotency_cancel(make_server, study: Path) -> None:
     done = _wait(url, job["id"], ("succeeded", "failed"))
     assert done["state"] == "succeeded", done
     assert done["progress"] == 1 and done["timings"]["total_s"] > 0 and done["segments"] is not None
+    source = pydicom.dcmread(next(p for p in sorted(study.iterdir()) if p.is_file()), stop_before_pixels=True)
+    assert done["segmented"] == {"study_uid": source.StudyInstanceUID, "series_uid": source.SeriesInstanceUID}
     seg = httpx.get(url + done["result_url"])
     assert seg.status_code == 200 and pydicom.dcmread(io.BytesIO(seg.content)).Modality == "SEG"
     nifti = httpx.get(url + done["result_url"] + "?format=nifti")
@@ -543,6 +545,7 @@ def test_jobs_from_before_the_writeback_record_read_as_they_ended(make_server, b
     url = with_thr(make_server()).url
     done, failed = (httpx.get(f"{url}/v1/jobs/{job_id}").json() for job_id in ("old-done", "old-failed"))
     assert done["writeback_result"] == {"target": None, "state": "done", "error": None}, done
+    assert done["segmented"] is None  # not recorded then
     assert (failed["progress"], failed["outputs"], failed["writeback_result"]["state"]) == (0, [], "not_attempted")
     assert not (base_config.jobs_dir / "old-failed" / "result").exists()
     assert (base_config.jobs_dir / "old-done" / "result" / "seg.dcm").is_file()
