@@ -58,17 +58,31 @@ def requested_format(request: Request, options: dict[str, Any]) -> str | None:
 
 def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
     """`?format=` / form field wins, then Accept, then the natural output of the input (SEG for DICOM)."""
-    fmt = requested_format(request, options)
-    if fmt is None:
-        accept = request.headers.get("accept", "").lower()
-        if "nifti" in accept or "application/gzip" in accept:
-            fmt = "nifti"
-        elif "application/dicom" in accept:
-            fmt = "seg"
+    fmt = requested_format(request, options) or accepted_format(request)
     fmt = check_format(fmt or ("nifti" if spec.kind == "nifti" else "seg"))
     if fmt == "seg" and spec.kind == "nifti":
         raise ApiError(406, "format_unavailable", "a NIfTI input can only produce a NIfTI label map")
     return fmt
+
+
+def accepted_format(request: Request) -> str | None:
+    """The result format the Accept header prefers: `seg` for application/dicom, `nifti` for a gzip or NIfTI type,
+    the higher q-value first, then the first named; None when it names neither (`*/*`) or refuses both (q=0)."""
+    best: tuple[float, str] | None = None
+    for item in request.headers.get("accept", "").lower().split(","):
+        media, *parameters = (part.strip() for part in item.split(";"))
+        fmt = "seg" if media == "application/dicom" else "nifti" if ("nifti" in media or "gzip" in media) else None
+        quality = 1.0
+        for parameter in parameters:
+            name, _, value = parameter.partition("=")
+            if name.strip() == "q":
+                try:
+                    quality = float(value)
+                except ValueError:
+                    quality = 0.0
+        if fmt is not None and quality > 0 and (best is None or quality > best[0]):
+            best = (quality, fmt)
+    return best[1] if best else None
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -312,13 +326,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/result", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def job_result(job_id: str, request: Request, format: str | None = None) -> FileResponse:
-        if format is not None:
-            check_format(format)
-        else:
-            accept = request.headers.get("accept", "").lower()
-            format = "nifti" if ("nifti" in accept or "gzip" in accept) else "seg" if "application/dicom" in accept \
-                else None
-        path, fmt = jobs.result_path(job_id, format)
+        path, fmt = jobs.result_path(job_id, check_format(format) if format is not None else accepted_format(request))
         return FileResponse(path, media_type=MEDIA[fmt], filename=FILENAMES[fmt])
 
     @app.delete("/v1/jobs/{job_id}", tags=["jobs"], dependencies=[Depends(require("infer"))])

@@ -346,6 +346,16 @@ def test_malformed_input_fields_give_400_not_500(thr_server, tmp_path: Path) -> 
         assert status == 400 and header in (body.get("message") or body["error"]), body
 
 
+@pytest.mark.parametrize("accept,media", [("application/dicom;q=0.5, application/gzip", "application/gzip"),
+                                          ("application/gzip;q=0, */*", "application/dicom"),
+                                          ("application/gzip;q=0.1, application/dicom;q=0.2", "application/dicom")])
+def test_the_accept_header_is_read_with_its_q_values(thr_server, tmp_path: Path, accept: str, media: str) -> None:
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    r = httpx.post(thr_server.url + "/v1/models/thr/infer", files=multipart_files(study), headers={"Accept": accept},
+                   timeout=60)
+    assert (r.status_code, r.headers["content-type"]) == (200, media), r.text
+
+
 def test_an_input_of_two_studies_segments_the_first_and_names_the_other(thr_server, tmp_path: Path,
                                                                         caplog: pytest.LogCaptureFixture) -> None:
     """As the app does: one volume per request; the study left aside is named in the log, not dropped silently,

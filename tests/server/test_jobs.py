@@ -73,7 +73,10 @@ def test_job_lifecycle_idempotency_cancel(make_server, study: Path) -> None:
     assert seg.status_code == 200 and pydicom.dcmread(io.BytesIO(seg.content)).Modality == "SEG"
     nifti = httpx.get(url + done["result_url"] + "?format=nifti")
     assert nifti.status_code == 200 and nifti.content[:2] == b"\x1f\x8b"
-    for accept, media in (("application/gzip", "application/gzip"), ("application/dicom", "application/dicom")):
+    for accept, media in (("application/gzip", "application/gzip"), ("application/dicom", "application/dicom"),
+                          ("application/gzip;q=0.3, application/dicom;q=0.9", "application/dicom"),
+                          ("application/dicom;q=0, application/gzip", "application/gzip"),
+                          ("application/x-nifti, application/dicom", "application/gzip")):
         by_accept = httpx.get(url + done["result_url"], headers={"Accept": accept})
         assert by_accept.status_code == 200 and by_accept.headers["content-type"] == media
     # unknown model and unknown job
