@@ -269,8 +269,9 @@ def test_an_enhanced_image_whose_spacing_changes_along_the_stack_is_refused(tmp_
                r"frame at .* mm along the normal lies 0\.1\d\d mm")
     with pytest.raises(VolumeError, match=refusal):
         select_series(index_folder(multi))
-    with pytest.raises(VolumeError, match=refusal):
+    with pytest.raises(VolumeError, match=refusal) as refused:
         series_to_volume(index_folder(multi).all_series[0])
+    assert str(refused.value).count("does not form a regular volume") == 1
 
 
 def test_a_series_of_several_multiframe_objects_is_refused_with_the_reason(tmp_path, phantom):

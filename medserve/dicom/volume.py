@@ -355,7 +355,7 @@ def _frame_distances(dataset: pydicom.Dataset) -> np.ndarray | None:
     if len(per_frame) < 2 or len(orientations) != 1 or positions.shape != (len(per_frame), 3):
         return None
     orientation = np.asarray(orientations.pop())
-    if orientation.shape != (6,):
+    if orientation.shape != (6,) or not (np.isfinite(orientation).all() and np.isfinite(positions).all()):
         return None
     normal = np.cross(*_orthonormal(orientation))
     return np.sort(positions @ normal)
@@ -424,8 +424,8 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
         dataset = read_dataset(instance)  # also a file written without the preamble
     except Exception as error:  # pydicom raises assorted types on damaged files
         raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
+    atol = _multiframe_atol(dataset, str(instance.path), tolerance)
     try:
-        atol = _multiframe_atol(dataset, str(instance.path), tolerance)
         image = hd.Image.from_dataset(dataset, copy=False)
         volume = image.get_volume(dtype=np.float32, apply_real_world_transform=False, apply_presentation_lut=False,
                                   atol=atol)

@@ -21,6 +21,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from medserve.errors import MedserveError
 from medserve.server import maps, oip, uploads
+from medserve.server.accept import preferred_format
 from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
@@ -58,31 +59,11 @@ def requested_format(request: Request, options: dict[str, Any]) -> str | None:
 
 def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
     """`?format=` / form field wins, then Accept, then the natural output of the input (SEG for DICOM)."""
-    fmt = requested_format(request, options) or accepted_format(request)
-    fmt = check_format(fmt or ("nifti" if spec.kind == "nifti" else "seg"))
-    if fmt == "seg" and spec.kind == "nifti":
+    available = ["nifti"] if spec.kind == "nifti" else ["seg", "nifti"]
+    fmt = requested_format(request, options) or preferred_format(request.headers.get("accept", ""), available)
+    if fmt not in available:
         raise ApiError(406, "format_unavailable", "a NIfTI input can only produce a NIfTI label map")
     return fmt
-
-
-def accepted_format(request: Request) -> str | None:
-    """The result format the Accept header prefers: `seg` for application/dicom, `nifti` for a gzip or NIfTI type,
-    the higher q-value first, then the first named; None when it names neither (`*/*`) or refuses both (q=0)."""
-    best: tuple[float, str] | None = None
-    for item in request.headers.get("accept", "").lower().split(","):
-        media, *parameters = (part.strip() for part in item.split(";"))
-        fmt = "seg" if media == "application/dicom" else "nifti" if ("nifti" in media or "gzip" in media) else None
-        quality = 1.0
-        for parameter in parameters:
-            name, _, value = parameter.partition("=")
-            if name.strip() == "q":
-                try:
-                    quality = float(value)
-                except ValueError:
-                    quality = 0.0
-        if fmt is not None and quality > 0 and (best is None or quality > best[0]):
-            best = (quality, fmt)
-    return best[1] if best else None
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -326,7 +307,10 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/result", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def job_result(job_id: str, request: Request, format: str | None = None) -> FileResponse:
-        path, fmt = jobs.result_path(job_id, check_format(format) if format is not None else accepted_format(request))
+        if format is not None:
+            check_format(format)
+        path, fmt = jobs.result_path(job_id, lambda available: format or preferred_format(
+            request.headers.get("accept", ""), available))
         return FileResponse(path, media_type=MEDIA[fmt], filename=FILENAMES[fmt])
 
     @app.delete("/v1/jobs/{job_id}", tags=["jobs"], dependencies=[Depends(require("infer"))])

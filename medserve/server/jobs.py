@@ -254,14 +254,15 @@ class JobQueue:
         state = "not_attempted" if row["state"] in FINAL else "pending"
         return {"target": self.config.dicomweb_url, "state": state, "error": None}
 
-    def result_path(self, job_id: str, fmt: str | None) -> tuple[Path, str]:
+    def result_path(self, job_id: str, choose: Callable[[list[str]], str]) -> tuple[Path, str]:
+        """The file of a succeeded job's result in the format `choose` picks from the job's outputs (SEG first)."""
         row = self._row(job_id)
         if row["state"] != "succeeded":
             detail = f": {row['error']}" if row["error"] else ""
             raise ApiError(409, "job_not_finished" if row["state"] not in FINAL else "job_has_no_result",
                            f"job {job_id} is {row['state']}{detail}")
         outputs: dict[str, str] = json.loads(row["outputs"] or "{}")
-        fmt = fmt or ("seg" if "seg" in outputs else "nifti")
+        fmt = choose(sorted(outputs, key=("seg", "nifti").index))
         if fmt not in outputs:
             raise ApiError(406, "format_unavailable", f"job {job_id} has no {fmt} output (has {sorted(outputs)})")
         path = self.job_dir(job_id) / "result" / outputs[fmt]

@@ -742,8 +742,13 @@ def test_a_job_result_follows_the_accept_header_and_says_when_it_cannot(thr_serv
     assert _wait(url, job["id"], ("succeeded", "failed"))["outputs"] == ["nifti"]
     r = httpx.get(f"{url}/v1/jobs/{job['id']}/result", headers={"Accept": "application/dicom"})
     assert r.status_code == 406 and r.json()["error"] == "format_unavailable", r.text
-    r = httpx.get(f"{url}/v1/jobs/{job['id']}/result", headers={"Accept": "*/*"})
-    assert r.status_code == 200 and r.headers["content-type"] == "application/gzip"
+    for accept in ("*/*", "application/dicom, application/gzip;q=0.5"):  # the best format the job has
+        r = httpx.get(f"{url}/v1/jobs/{job['id']}/result", headers={"Accept": accept})
+        assert r.status_code == 200 and r.headers["content-type"] == "application/gzip", (accept, r.text)
+    # The same reading of Accept for a sync request.
+    r = httpx.post(url + "/v1/models/thr/infer", files={"file": ("image.nii.gz", image.read_bytes())},
+                   headers={"Accept": "application/dicom, application/gzip;q=0.5"}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/gzip", r.text
 
 
 def test_a_folder_of_other_files_is_refused_as_data_dir(base_config, tmp_path: Path) -> None:
