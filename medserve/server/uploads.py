@@ -4,8 +4,9 @@ Each upload is two files under `<data-dir>/uploads/`: `ID.bin` (the bytes receiv
 offset, so a crash loses nothing that was written) and `ID.json` (declared length, metadata, expiry). Bodies are
 streamed to disk in 1 MiB-4 MiB writes off the event loop; nothing is held in memory. A PATCH that would go past
 the declared length is refused with 413 and its bytes are dropped; a PATCH whose Upload-Checksum does not match
-is dropped with 460. A checksummed PATCH is received into `ID.part` and appended to `ID.bin` only once its digest
-matches, so that a crash in the middle of it leaves no unverified bytes for a resuming client to build on.
+is dropped with 460. While a checksummed PATCH writes, `ID.pending` holds the offset it started at: a server that
+crashed in the middle of it truncates the upload back to there when it starts again, so that a resuming client
+never builds on bytes that were not verified.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -85,8 +85,8 @@ class UploadStore:
         self.max_bytes = max_bytes
         self.expiry_seconds = expiry_seconds
         self._locks: dict[str, asyncio.Lock] = {}
-        for staged in self.root.glob("*.part"):  # the unverified bytes of a checksummed PATCH that a crash cut
-            staged.unlink(missing_ok=True)
+        for marker in self.root.glob("*.pending"):
+            _drop_unverified(marker)
 
     def _paths(self, upload_id: str) -> tuple[Path, Path]:
         if not ID_RE.match(upload_id):
@@ -142,12 +142,12 @@ class UploadStore:
         info.expires = time.time() + self.expiry_seconds
         self._write_info(info)
 
-    def staged_path(self, upload_id: str) -> Path:
-        """Where a checksummed PATCH puts its bytes until they are verified."""
-        return self._paths(upload_id)[0].with_suffix(".part")
+    def pending_path(self, upload_id: str) -> Path:
+        """Where a checksummed PATCH records the offset it started at until its bytes are verified."""
+        return self._paths(upload_id)[0].with_suffix(".pending")
 
     def delete(self, upload_id: str) -> None:
-        for path in (*self._paths(upload_id), self.staged_path(upload_id)):
+        for path in (*self._paths(upload_id), self.pending_path(upload_id)):
             path.unlink(missing_ok=True)
         if not self.busy(upload_id):
             self._locks.pop(upload_id, None)
@@ -297,7 +297,7 @@ async def patch(request: Request, upload_id: str) -> Response:
         if checksum is None:
             received = await _receive(request, data_path, offset, info.length)
         else:
-            received = await _receive_verified(request, data_path, store.staged_path(upload_id), offset,
+            received = await _receive_verified(request, data_path, store.pending_path(upload_id), offset,
                                                info.length, checksum)
         store.touch(info)
         new_offset = offset + received
@@ -318,23 +318,43 @@ async def _receive(request: Request, path: Path, offset: int, length: int) -> in
     return received
 
 
-async def _receive_verified(request: Request, path: Path, staged: Path, offset: int, length: int,
+async def _receive_verified(request: Request, path: Path, pending: Path, offset: int, length: int,
                             checksum: tuple[Any, bytes]) -> int:
-    """Stream a checksummed body into `staged`, then append it to the upload if its digest matches; returns the
-    bytes kept (none when the client went away before the end: the digest is of the whole body)."""
+    """Stream a checksummed body onto the upload at `offset` and keep it if its digest matches; returns the bytes
+    kept (none when the client went away before the end: the digest is of the whole body). `pending` marks the
+    bytes as unverified meanwhile, for a start after a crash (`_drop_unverified`)."""
     digest, expected = checksum
+    pending.write_text(str(offset))  # before any byte is written: a marker that holds no offset marks none
     try:
-        with open(staged, "wb") as out:
-            received, disconnected = await _write_body(request, out, offset, length, digest)
-        if disconnected:
-            return 0
-        if digest.digest() != expected:
-            raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk dropped",
-                           {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
-        await anyio.to_thread.run_sync(_append, staged, path)
+        with open(path, "r+b") as out:
+            out.seek(offset)
+            try:
+                received, disconnected = await _write_body(request, out, offset, length, digest)
+                if not disconnected and digest.digest() != expected:
+                    raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk "
+                                   "dropped", {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
+            except BaseException:
+                await anyio.to_thread.run_sync(_truncate, out, offset)
+                raise
+            if disconnected:
+                await anyio.to_thread.run_sync(_truncate, out, offset)
+                return 0
         return received
     finally:
-        staged.unlink(missing_ok=True)
+        pending.unlink(missing_ok=True)
+
+
+def _drop_unverified(marker: Path) -> None:
+    """Truncate an upload back to where the checksummed PATCH that a crash cut started (`marker` holds it)."""
+    try:
+        offset = int(marker.read_text())
+    except ValueError:
+        offset = None  # the crash came while the marker was written: no byte of that PATCH was
+    data = marker.with_suffix(".bin")
+    if offset is not None and data.exists() and data.stat().st_size > offset:
+        os.truncate(data, offset)
+        log.info("upload %s: dropped the unverified bytes of a checksummed PATCH a crash cut", marker.stem)
+    marker.unlink(missing_ok=True)
 
 
 async def _write_body(request: Request, out: Any, offset: int, length: int, digest: Any | None) -> tuple[int, bool]:
@@ -363,11 +383,6 @@ async def _write_body(request: Request, out: Any, offset: int, length: int, dige
         await anyio.to_thread.run_sync(out.write, bytes(buffer))
     await anyio.to_thread.run_sync(out.flush)
     return received, disconnected
-
-
-def _append(staged: Path, path: Path) -> None:
-    with open(staged, "rb") as source, open(path, "ab") as out:
-        shutil.copyfileobj(source, out, WRITE_BATCH)
 
 
 def _truncate(handle: Any, offset: int) -> None:

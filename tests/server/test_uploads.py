@@ -127,7 +127,7 @@ def test_a_crash_in_the_middle_of_a_checksummed_patch_keeps_none_of_its_bytes(tm
     restarted = ServerProcess(args, server.port).start()
     try:
         assert httpx.head(location, headers=TUS).headers["Upload-Offset"] == "0"
-        assert not list((data_dir / "uploads").glob("*.part"))  # the unverified bytes are gone
+        assert not list((data_dir / "uploads").glob("*.pending"))
         resent = _patch(location, body, 0, **{"Upload-Checksum": checksum})
         assert (resent.status_code, resent.headers["Upload-Offset"]) == (204, str(len(body))), resent.text
         assert (data_dir / "uploads" / f"{upload_id}.bin").read_bytes() == body
@@ -302,3 +302,16 @@ def test_sweep_removes_what_a_crash_left_once_it_is_older_than_the_expiry(tmp_pa
         os.utime(path, (old, old))  # the live upload's files are as old; its description keeps them
     assert store.sweep() == 0
     assert sorted(tmp_path.iterdir()) == sorted([*recent, *store._paths(kept.id)])
+
+
+def test_a_start_drops_what_a_cut_checksummed_patch_wrote_and_nothing_else(tmp_path: Path) -> None:
+    store = UploadStore(tmp_path, max_bytes=1024, expiry_seconds=60)
+    cut, unstarted = store.create(16), store.create(16)
+    for info in (cut, unstarted):
+        store._paths(info.id)[0].write_bytes(b"verified" + b"unverified"[:8])
+    store.pending_path(cut.id).write_text("8")  # the PATCH started at offset 8
+    store.pending_path(unstarted.id).write_text("")  # the crash came while the marker was being written
+    UploadStore(tmp_path, max_bytes=1024, expiry_seconds=60)
+    assert store._paths(cut.id)[0].read_bytes() == b"verified"
+    assert store._paths(unstarted.id)[0].read_bytes() == b"verified" + b"unverified"[:8]
+    assert not list(tmp_path.glob("*.pending"))
