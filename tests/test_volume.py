@@ -654,13 +654,17 @@ def _two_frames_of_pixel_data(dataset):
     (_set("BitsStored", 20), r"BitsStored 20 does not fit BitsAllocated 16; expected 1 to 16"),
     (_set("RescaleSlope", "0"), r"RescaleSlope 0.0 / RescaleIntercept -1024.0: expected a finite, non-zero slope"),
     (_set("RescaleIntercept", "inf"), r"RescaleIntercept inf: expected a finite"),
+    (_set("RescaleSlope", "1e-50"), r"RescaleSlope 1e-50 / RescaleIntercept -1024.0: expected a finite, non-zero "
+                                    r"slope"),  # zero in float32
+    (_set("RescaleSlope", "1e35"), r"RescaleSlope 1e\+35 / .* keep 16-bit stored values within float32 range"),
+    (_set("RescaleIntercept", "-1e40"), r"RescaleIntercept -1e\+40: .* within float32 range"),
     (_two_frames_of_pixel_data, r"pixel data holds \d+ bytes; Rows x Columns x BitsAllocated/8 is \d+: more than "
                                 r"one frame"),
     (_set("Columns", 32), r"pixel data holds 2880 bytes; Rows x Columns x BitsAllocated/8 is 2560: more than one "
                           r"frame, or Rows/Columns/BitsAllocated are wrong"),
 ], ids=["zero-pixel-spacing", "unnormalised-orientation", "skewed-orientation", "nan-position", "zero-rows",
         "no-bits-allocated", "no-pixel-representation", "bits-stored-above-allocated", "zero-slope",
-        "infinite-intercept", "two-frames-of-pixels", "columns-below-the-pixels"])
+        "infinite-intercept", "slope-zero-in-float32", "slope-overflowing-float32", "intercept-beyond-float32", "two-frames-of-pixels", "columns-below-the-pixels"])
 def test_headers_that_do_not_describe_a_volume_are_refused_naming_the_file(tmp_path, phantom, edit, message):
     written = _write(tmp_path, phantom)
     with warnings.catch_warnings():

@@ -11,7 +11,6 @@ series has one or a few, and pydicom's attribute access costs more than reading 
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +33,7 @@ log = logging.getLogger("medserve.dicom.pixels")
 # inside the deflated stream, so pydicom reads it whole.
 _NATIVE_LITTLE_ENDIAN = {ImplicitVRLittleEndian, ExplicitVRLittleEndian}
 _PIXEL_DATA_VRS = (b"OB", b"OW", b"UN")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _FORMAT_KEYWORDS = ("BitsAllocated", "BitsStored", "PixelRepresentation", "RescaleSlope", "RescaleIntercept")
 
 
@@ -132,7 +132,7 @@ def _pixel_format(instance: Instance) -> PixelFormat:
         raise VolumeError(f"{instance.path}: BitsStored {stored} does not fit BitsAllocated {bits}; expected 1 to "
                           f"{bits}")
     kind = "i" if integer_value(dataset, "PixelRepresentation") == 1 else "u"
-    return PixelFormat(np.dtype(f"<{kind}{bits // 8}"), bits - stored, *_rescale(dataset))
+    return PixelFormat(np.dtype(f"<{kind}{bits // 8}"), bits - stored, *_rescale(dataset, stored))
 
 
 def _pixel_value(instance: Instance, expected: int | None = None) -> tuple[int, bytes]:
@@ -204,7 +204,7 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
         except Exception as error:  # a malformed LUT descriptor or data
             raise VolumeError(f"{instance.path}: ModalityLUTSequence cannot be applied ({error})") from error
         return
-    _rescale_into(PixelFormat(pixels.dtype, 0, *_rescale(dataset)), pixels, out)
+    _rescale_into(PixelFormat(pixels.dtype, 0, *_rescale(dataset, pixels.dtype.itemsize * 8)), pixels, out)
 
 
 def _transfer_syntax_name(instance: Instance) -> str:
@@ -235,15 +235,19 @@ def _rescale_into(pixel_format: PixelFormat, pixels: np.ndarray, out: np.ndarray
         out += pixel_format.intercept
 
 
-def _rescale(dataset: pydicom.Dataset) -> tuple[np.float32, np.float32]:
-    """(RescaleSlope, RescaleIntercept), 1 and 0 when absent; a zero or non-finite one is a VolumeError."""
+def _rescale(dataset: pydicom.Dataset, stored_bits: int) -> tuple[np.float32, np.float32]:
+    """(RescaleSlope, RescaleIntercept), 1 and 0 when absent, as float32: the volume's type. A VolumeError when
+    the slope is zero or the intercept not finite, in float32 too (1e-50 is zero there), or when stored values
+    of `stored_bits` bits would rescale beyond float32's range (to infinity)."""
     slope = _first_decimal(dataset, "RescaleSlope")
     intercept = _first_decimal(dataset, "RescaleIntercept")
     slope = 1.0 if slope is None else slope
     intercept = 0.0 if intercept is None else intercept
-    if slope == 0.0 or not math.isfinite(slope) or not math.isfinite(intercept):
+    largest = 2.0 ** stored_bits * abs(slope) + abs(intercept)  # inf when either is
+    if not largest <= _FLOAT32_MAX or np.float32(slope) == 0.0:
         raise VolumeError(f"{dataset.filename}: RescaleSlope {slope} / RescaleIntercept {intercept}: expected a "
-                          f"finite, non-zero slope and a finite intercept")
+                          f"finite, non-zero slope and a finite intercept that keep {stored_bits}-bit stored values "
+                          f"within float32 range (magnitudes up to {_FLOAT32_MAX:.3g})")
     return np.float32(slope), np.float32(intercept)
 
 
