@@ -169,6 +169,34 @@ def test_seg_survives_headers_seen_in_the_wild(tmp_path, edit, expected):
     np.testing.assert_array_equal(volume.array, label_map)
 
 
+def _slice_thickness_written_as(text: bytes):
+    """An edit that stores `text` as SliceThickness bytes as they are: pydicom refuses to hold 'abc' as a DS."""
+    def edit(dataset: pydicom.Dataset) -> None:
+        dataset[0x00180050] = pydicom.dataelem.RawDataElement(
+            pydicom.tag.Tag(0x00180050), "DS", len(text), text, 0, False, True)
+    return edit
+
+
+@pytest.mark.parametrize("text", [b"abc ", b"3\\3 ", b"nan ", b"0 ", b"-2"])
+@pytest.mark.filterwarnings("ignore:Invalid value for VR")
+def test_a_slice_thickness_that_is_not_one_positive_number_becomes_the_spacing_with_a_warning(tmp_path, text,
+                                                                                             caplog):
+    """highdicom cannot copy 'abc', '3\\3' or 'nan' (it stopped the app after the inference had run) and dciodvfy
+    refuses 0: the SEG states the spacing between the images, as for an absent thickness."""
+    loaded, label_map = _edited_study(tmp_path / "study", _slice_thickness_written_as(text))
+    first = loaded.source_datasets[0].filename
+    path = write_seg(build_seg(label_map, loaded.source_datasets, {1: "spleen", 2: "liver"}, Algorithm("a", "1")),
+                     tmp_path / "seg.dcm")
+    assert dciodvfy_errors(path) == []
+    measures = pydicom.dcmread(path).SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0]
+    assert float(measures.SliceThickness) == pytest.approx(SeriesGeometry().slice_spacing)
+    assert [record.getMessage() for record in caplog.records if "SliceThickness" in record.getMessage()] == [
+        f"{first}: SliceThickness {text.decode().strip()!r} is not one positive number of mm; the SEG states the "
+        f"spacing between the images instead"]
+    volume = hd.seg.segread(path).get_volume(combine_segments=True, relabel=False).match_geometry(loaded.volume)
+    np.testing.assert_array_equal(volume.array, label_map)
+
+
 @pytest.mark.parametrize(("spacing", "expected"), [({"SpacingBetweenSlices": "3.5"}, 3.5), ({}, 1.0)],
                          ids=["spacing-between-slices", "nothing-stated"])
 def test_a_single_image_without_slice_thickness_gets_the_spacing_its_volume_has(tmp_path, spacing, expected, caplog):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import highdicom as hd
 import highdicom._standard_utils as hd_standard_utils
 import numpy as np
 from pydicom.charset import convert_encodings
+from pydicom.datadict import keyword_for_tag
 from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
@@ -28,7 +30,7 @@ from pydicom.uid import generate_uid
 from pydicom.valuerep import DA, TM
 
 import medserve
-from medserve.dicom.values import number_of_frames
+from medserve.dicom.values import decimal_values, number_of_frames, stored_bytes
 from medserve.dicom.volume import single_image_spacing
 from medserve.errors import DicomInputError
 from medserve.writers.files import atomic_output
@@ -267,7 +269,8 @@ def _first_source(source: list[Dataset]) -> Dataset:
       'ISO_IR 6' spelled out) becomes ISO_IR 192: the values are decoded text by now, and UTF-8 holds them all;
     - an absent or empty SliceThickness (type 2 in CT and MR images) is taken as the spacing between the first
       two images (of a single image: the spacing its volume was built with), as highdicom needs one for the SEG's
-      pixel measures.
+      pixel measures; so is one that is not a single positive number (with a warning), which highdicom cannot
+      copy ('abc', '3\\3', 'nan') or dciodvfy refuses (0).
     Frame of reference, SOP class and instance UIDs are type 1: without them no SEG can refer to the source
     (DicomInputError).
     """
@@ -288,20 +291,40 @@ def _first_source(source: list[Dataset]) -> Dataset:
     declared = dataset.get("SpecificCharacterSet")
     if declared is not None and not _highdicom_accepts_character_set(declared):
         changes["SpecificCharacterSet"] = "ISO_IR 192"
-    if dataset.get("SliceThickness") in (None, "") and (spacing := _slice_spacing(source)) is not None:
+    if not _states_slice_thickness(dataset, name) and (spacing := _slice_spacing(source)) is not None:
         changes["SliceThickness"] = spacing
     if not changes:
         return dataset
     patched = Dataset()
-    for element in dataset:  # iterating decodes each value with the source's own character set
-        patched.add(element)
+    for tag in dataset.keys():  # reading each element decodes it with the source's own character set
+        if keyword_for_tag(tag) not in changes:  # replaced ones may not even convert ('abc' as a DS)
+            patched.add(dataset[tag])
     if (file_meta := getattr(dataset, "file_meta", None)) is not None:  # datasets built in memory may have none
         patched.file_meta = file_meta
-    for keyword, value in changes.items():
-        if keyword in patched:  # the copy shares the element objects: replace them, never set their values
-            del patched[keyword]
+    for keyword, value in changes.items():  # new elements: the copy shares the others with the caller's header
         setattr(patched, keyword, value)
     return patched
+
+
+def _states_slice_thickness(dataset: Dataset, name: str) -> bool:
+    """Whether the source states one positive, finite SliceThickness; a warning when it states another value."""
+    try:
+        values = decimal_values(dataset, "SliceThickness")
+    except ValueError:
+        values = (math.nan,)
+    if values is None:
+        return False
+    if len(values) == 1 and 0 < values[0] < math.inf:
+        return True
+    log.warning("%s: SliceThickness %r is not one positive number of mm; the SEG states the spacing between the "
+                "images instead", name, _stored_text(dataset, "SliceThickness"))
+    return False
+
+
+def _stored_text(dataset: Dataset, keyword: str) -> str:
+    """An element's value as written, without converting it (which raises for text that is no valid value)."""
+    raw = stored_bytes(dataset, keyword)
+    return raw.decode("ascii", "replace").strip() if raw is not None else str(dataset[keyword].value)
 
 
 def _allowed(keyword: str, value: object) -> bool:
