@@ -57,6 +57,16 @@ def test_volume_memory_is_not_prepared_for_multiframe_images():
     assert VolumeMemory.for_header(single, capacity=3).slice_shape == (128, 128)
 
 
+def test_memory_is_not_prepared_for_slices_larger_than_4096_squared():
+    """A damaged Rows or Columns (65535) would have the indexer fault in 16 GiB a slice before the pixel data is
+    read and found too short for it."""
+    single = pydicom.dcmread(get_testdata_file("CT_small.dcm"), stop_before_pixels=True)
+    single.Rows, single.Columns = 4096, 4096
+    assert VolumeMemory.for_header(single, capacity=1).slice_shape == (4096, 4096)
+    single.Rows, single.Columns = 65535, 65535
+    assert VolumeMemory.for_header(single, capacity=1) is None
+
+
 def test_memory_that_cannot_be_mapped_is_not_prepared(monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError(12, "Cannot allocate memory")

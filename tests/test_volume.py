@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import resource
 import warnings
 from pathlib import Path
 
@@ -638,6 +640,12 @@ def _set(keyword, value):
     return lambda dataset: setattr(dataset, keyword, value)
 
 
+def _slice_size(rows, columns):
+    def edit(dataset):
+        dataset.Rows, dataset.Columns = rows, columns
+    return edit
+
+
 def _two_frames_of_pixel_data(dataset):
     dataset.PixelData = dataset.PixelData * 2
 
@@ -662,9 +670,13 @@ def _two_frames_of_pixel_data(dataset):
                                 r"one frame"),
     (_set("Columns", 32), r"pixel data holds 2880 bytes; Rows x Columns x BitsAllocated/8 is 2560: more than one "
                           r"frame, or Rows/Columns/BitsAllocated are wrong"),
+    # Refused before the volume is allocated: 16 GiB a slice (the kernel refused the address space before).
+    (_slice_size(65535, 65535), r"pixel data is truncated \(2880 of the 8589672450 bytes Rows x Columns x "
+                                r"BitsAllocated/8 call for\)"),
 ], ids=["zero-pixel-spacing", "unnormalised-orientation", "skewed-orientation", "nan-position", "zero-rows",
         "no-bits-allocated", "no-pixel-representation", "bits-stored-above-allocated", "zero-slope",
-        "infinite-intercept", "slope-zero-in-float32", "slope-overflowing-float32", "intercept-beyond-float32", "two-frames-of-pixels", "columns-below-the-pixels"])
+        "infinite-intercept", "slope-zero-in-float32", "slope-overflowing-float32", "intercept-beyond-float32",
+        "two-frames-of-pixels", "columns-below-the-pixels", "rows-and-columns-far-beyond-the-pixels"])
 def test_headers_that_do_not_describe_a_volume_are_refused_naming_the_file(tmp_path, phantom, edit, message):
     written = _write(tmp_path, phantom)
     with warnings.catch_warnings():
@@ -672,6 +684,23 @@ def test_headers_that_do_not_describe_a_volume_are_refused_naming_the_file(tmp_p
         _edit_every_file(written, edit)
     with pytest.raises(VolumeError, match=r"IM\d+\.dcm: .*" + message):
         volume_of(tmp_path)
+
+
+def test_a_volume_beyond_the_address_space_is_refused_with_its_size(tmp_path, phantom):
+    """Compressed pixels cannot be measured against Rows x Columns before they are decoded, so a damaged size is
+    met by the allocation itself: refused here by an address-space limit, as the kernel refuses one beyond its
+    memory."""
+    written = _write(tmp_path, phantom, transfer_syntax=RLELossless)
+    _edit_every_file(written, _slice_size(65535, 65535))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    in_use = int(re.search(r"VmSize:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (in_use + 2**31, hard))
+    try:
+        with pytest.raises(VolumeError, match=rf"IM\d+\.dcm: {len(written.paths)} slices of Rows 65535 x Columns "
+                                              r"65535 need \d+\.\d GiB as float32, more than can be allocated here"):
+            volume_of(tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def test_padding_bytes_after_the_frame_are_ignored_with_a_warning(tmp_path, phantom, caplog):

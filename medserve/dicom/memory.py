@@ -25,6 +25,9 @@ log = logging.getLogger("medserve.dicom.memory")
 _ITEM_BYTES = np.dtype(np.float32).itemsize
 # Slices faulted in per step: large enough that the thread's GIL handovers between steps cost little.
 _STEP_SLICES = 16
+# Larger slices are not prepared: volumes rarely have them, and a damaged Rows or Columns (65535) must not fault in
+# gigabytes before `load_series` has compared them with the pixel data.
+_LARGEST_PREPARED_SLICE = 4096 * 4096
 
 
 def volume_array(shape: tuple[int, ...]) -> np.ndarray:
@@ -96,9 +99,10 @@ class VolumeMemory:
 
     @classmethod
     def for_header(cls, dataset: Dataset, capacity: int) -> VolumeMemory | None:
-        """Memory for a series whose first header is `dataset`, or None when it is not a stack of single frames."""
+        """Memory for a series whose first header is `dataset`, or None when it is not a stack of single frames of
+        at most 4096 x 4096 pixels."""
         rows, columns = integer_value(dataset, "Rows"), integer_value(dataset, "Columns")
-        if not rows or not columns or number_of_frames(dataset) != 1:
+        if not rows or not columns or rows * columns > _LARGEST_PREPARED_SLICE or number_of_frames(dataset) != 1:
             return None
         try:
             return cls((rows, columns), capacity)

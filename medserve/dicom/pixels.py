@@ -157,12 +157,26 @@ def _pixel_value(instance: Instance, expected: int | None = None) -> tuple[int, 
         return implicit_length, stream.read()
 
 
-def _read_native_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> int:
-    expected = out.size * pixel_format.dtype.itemsize
+def check_first_frame_length(instance: Instance, rows: int, columns: int) -> None:
+    """Refuse an uncompressed slice whose pixel data is shorter than Rows x Columns before a volume is allocated
+    from them: a damaged Rows or Columns (65535) would otherwise ask for hundreds of GB first."""
+    if transfer_syntax(instance) in _NATIVE_LITTLE_ENDIAN and "ModalityLUTSequence" not in instance.dataset:
+        _native_frame(instance, _pixel_format(instance), rows * columns)
+
+
+def _native_frame(instance: Instance, pixel_format: PixelFormat, pixels: int) -> tuple[int, bytes]:
+    """The Pixel Data element's declared length and its bytes; VolumeError when they are fewer than `pixels`."""
+    expected = pixels * pixel_format.dtype.itemsize
     declared, value = _pixel_value(instance, expected)
     if declared < expected or len(value) < expected:
-        raise VolumeError(f"{instance.path}: pixel data is truncated ({min(len(value), declared)} of "
-                          f"{expected} bytes)")
+        raise VolumeError(f"{instance.path}: pixel data is truncated ({min(len(value), declared)} of the "
+                          f"{expected} bytes Rows x Columns x BitsAllocated/8 call for)")
+    return declared, value
+
+
+def _read_native_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> int:
+    expected = out.size * pixel_format.dtype.itemsize
+    declared, value = _native_frame(instance, pixel_format, out.size)
     # Padding is shorter than a row; a row or more is an image whose Rows/Columns do not match its pixels, which
     # would be read sheared.
     if declared - expected >= out.shape[-1] * pixel_format.dtype.itemsize:

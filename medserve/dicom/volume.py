@@ -25,7 +25,7 @@ import pydicom
 
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
-from medserve.dicom.pixels import read_slices
+from medserve.dicom.pixels import check_first_frame_length, read_slices
 from medserve.dicom.values import decimal_values, integer_value, stored_bytes, uid_value
 from medserve.errors import VolumeError
 
@@ -73,12 +73,22 @@ def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()
     ordered, spacing = _volume_order(series, tolerance)
     first = ordered[0].dataset
     shape = (len(ordered), int(first.Rows), int(first.Columns))
+    check_first_frame_length(ordered[0], *shape[1:])
     prepared = series.volume_memory.take(shape) if series.volume_memory is not None else None
-    array = prepared if prepared is not None else volume_array(shape)
+    array = prepared if prepared is not None else _allocated(shape, ordered[0])
     read_slices(ordered, array)
     volume = hd.Volume(array=array, affine=slice_affine(first, spacing), coordinate_system="PATIENT",
                        frame_of_reference_uid=first.get("FrameOfReferenceUID"))
     return LoadedSeries(series, volume, ordered)
+
+
+def _allocated(shape: tuple[int, int, int], first: Instance) -> np.ndarray:
+    try:
+        return volume_array(shape)
+    except (OSError, MemoryError) as error:  # the kernel refused the address space (ENOMEM)
+        gib = math.prod(shape) * np.dtype(np.float32).itemsize / 2**30
+        raise VolumeError(f"{first.path}: {shape[0]} slices of Rows {shape[1]} x Columns {shape[2]} need "
+                          f"{gib:.1f} GiB as float32, more than can be allocated here ({error})") from None
 
 
 def series_to_volume(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> hd.Volume:
