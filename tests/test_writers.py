@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -241,6 +242,28 @@ def test_seg_without_what_it_must_refer_to_is_refused_naming_the_file(tmp_path, 
     loaded, label_map = _edited_study(tmp_path / "study", _set(**{keyword: None}))
     first = Path(loaded.source_datasets[0].filename)
     with pytest.raises(DicomInputError, match=f"{first.name}: {keyword} is missing; a DICOM SEG must refer"):
+        build_seg(label_map, loaded.source_datasets, {1: "spleen"}, Algorithm("a", "1"))
+
+
+def _drop_sop_class(dataset):
+    del dataset.SOPClassUID
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_drop_sop_class, r"SOPClassUID is missing; a DICOM SEG must refer to its source images by it"),
+    (_set(SOPClassUID="1.2.3.4"), r"SOPClassUID 1\.2\.3\.4 is not a standard DICOM storage class; a DICOM SEG can "
+                                  r"refer only to images of one \(CT Image Storage, \.\.\.\)"),
+    (_set(SOPClassUID=pydicom.uid.SegmentationStorage), r"SOPClassUID 1\.2\.840\.10008\.5\.1\.4\.1\.1\.66\.4 "
+                                                       r"\(Segmentation Storage\) is a multi-frame class, but the "
+                                                       r"series has 8 images; expected single-frame images"),
+], ids=["missing", "unknown", "multi-frame-class"])
+def test_a_source_image_of_no_class_a_seg_can_refer_to_is_refused_naming_it(tmp_path, edit, message):
+    """On any slice, not only the first: highdicom raised AttributeError, KeyError or a ValueError about
+    multi-frame images (exit 1, after the whole inference)."""
+    loaded, label_map = _edited_study(tmp_path / "study", lambda dataset: None)
+    victim = loaded.source_datasets[3]
+    edit(victim)
+    with pytest.raises(DicomInputError, match=rf"^{re.escape(victim.filename)}: {message}"):
         build_seg(label_map, loaded.source_datasets, {1: "spleen"}, Algorithm("a", "1"))
 
 

@@ -26,7 +26,7 @@ from pydicom.datadict import keyword_for_tag
 from pydicom.dataset import Dataset
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
-from pydicom.uid import generate_uid
+from pydicom.uid import UID, generate_uid
 from pydicom.valuerep import DA, TM
 
 import medserve
@@ -203,8 +203,8 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         values = pixels = label_array(label_map, _frames_shape(source),
                                       fits="the source series (images, rows, columns)")
     numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
-    first = _first_source(source)
     _cache_iod_attribute_lookup()
+    first = _first_source(source)
     segmentation = hd.seg.Segmentation(
         source_images=[first, *source[1:]],
         pixel_array=pixels,
@@ -275,11 +275,11 @@ def _first_source(source: list[Dataset]) -> Dataset:
     (DicomInputError).
     """
     dataset = source[0]
-    name = getattr(dataset, "filename", None) or "the first source image"
-    for keyword in ("FrameOfReferenceUID", "SOPClassUID", "SOPInstanceUID"):
-        if not dataset.get(keyword):
-            raise DicomInputError(f"{name}: {keyword} is missing; a DICOM SEG must refer to its source images by "
-                                  "it")
+    name = _name(dataset, "the first source image")
+    if not dataset.get("FrameOfReferenceUID"):
+        raise DicomInputError(f"{name}: FrameOfReferenceUID is missing; a DICOM SEG must refer to its source images "
+                              "by it")
+    _check_source_classes(source)
     changes: dict[str, object] = {}
     for keyword in _TYPE2_COPIED_ATTRIBUTES:
         if keyword not in dataset:
@@ -304,6 +304,34 @@ def _first_source(source: list[Dataset]) -> Dataset:
     for keyword, value in changes.items():  # new elements: the copy shares the others with the caller's header
         setattr(patched, keyword, value)
     return patched
+
+
+def _check_source_classes(source: list[Dataset]) -> None:
+    """Refuse source images a SEG cannot refer to, before highdicom meets them (it raised AttributeError,
+    KeyError or a ValueError about multi-frame images): every one needs its SOP class and instance UIDs, and a
+    class highdicom has the IOD of, which allows multiple frames only when there is a single source image."""
+    first_of_class: dict[str, Dataset] = {}
+    for position, dataset in enumerate(source):
+        for keyword in ("SOPClassUID", "SOPInstanceUID"):
+            if not dataset.get(keyword):
+                raise DicomInputError(f"{_name(dataset, f'source image {position + 1}')}: {keyword} is missing; a "
+                                      "DICOM SEG must refer to its source images by it")
+        first_of_class.setdefault(str(dataset.SOPClassUID), dataset)
+    iods = hd_standard_utils.get_sop_class_iod_map()
+    for value, dataset in first_of_class.items():
+        sop_class = UID(value)
+        described = f"SOPClassUID {value}" + (f" ({sop_class.name})" if sop_class.name != value else "")
+        if value not in iods:
+            raise DicomInputError(f"{_name(dataset, 'a source image')}: {described} is not a standard DICOM storage "
+                                  "class; a DICOM SEG can refer only to images of one (CT Image Storage, ...)")
+        if len(source) > 1 and hd_standard_utils.is_multiframe_image(dataset):
+            raise DicomInputError(f"{_name(dataset, 'a source image')}: {described} is a multi-frame class, but the "
+                                  f"series has {len(source)} images; expected single-frame images (CT Image "
+                                  "Storage, ...) or one multi-frame image")
+
+
+def _name(dataset: Dataset, otherwise: str) -> str:
+    return getattr(dataset, "filename", None) or otherwise
 
 
 def _states_slice_thickness(dataset: Dataset, name: str) -> bool:
