@@ -312,6 +312,16 @@ def test_duplicated_slice_is_refused_naming_the_files(tmp_path, phantom):
         volume_of(tmp_path)
 
 
+def test_many_slices_at_one_position_are_listed_by_the_first_five(tmp_path, phantom):
+    """A series whose positions all collapse onto one (damaged, or 1e-300 apart) is one readable line."""
+    written = _write(tmp_path, phantom)
+    _edit_every_file(written, _set("ImagePositionPatient", ["0", "0", "0"]))
+    listed = ", ".join(re.escape(str(path)) for path in sorted(written.paths)[:5])
+    with pytest.raises(VolumeError, match=rf"^duplicated slice at 0.000 mm along the slice normal: {listed} and "
+                                          rf"{len(written.paths) - 5} more$"):
+        volume_of(tmp_path)
+
+
 def test_two_slices_with_one_sop_instance_uid_are_refused_naming_both(tmp_path, phantom):
     """A SEG frame refers to its source image by this UID: two positions under one UID make the SEG ambiguous."""
     written = _write(tmp_path, phantom)
@@ -656,6 +666,11 @@ def _two_frames_of_pixel_data(dataset):
                                                           r"0.0\]: expected two orthogonal unit vectors"),
     (_set("ImageOrientationPatient", [1, 0, 0, 0.1, 1, 0]), r"expected two orthogonal unit vectors"),
     (_set("ImagePositionPatient", ["nan", "0", "0"]), r"ImagePositionPatient \[nan, 0.0, 0.0\]: expected finite"),
+    (_set("ImagePositionPatient", ["1e300", "0", "0"]), r"ImagePositionPatient \[1e\+300, 0.0, 0.0\]: expected "
+                                                        r"coordinates within 1e\+06 mm of the patient origin"),
+    (_set("PixelSpacing", ["1e308", "1e308"]), r"PixelSpacing \[1e\+308, 1e\+308\]: expected two positive spacings "
+                                               r"\(mm\) from 0.0001 to 10000"),
+    (_set("PixelSpacing", ["1e-300", "1"]), r"PixelSpacing \[1e-300, 1.0\]: expected two positive spacings"),
     (_set("Rows", 0), r"Rows is 0; expected at least 1"),
     (_drop("BitsAllocated"), r"BitsAllocated is missing; the pixels cannot be read without it"),
     (_drop("PixelRepresentation"), r"PixelRepresentation is missing"),
@@ -673,7 +688,8 @@ def _two_frames_of_pixel_data(dataset):
     # Refused before the volume is allocated: 16 GiB a slice (the kernel refused the address space before).
     (_slice_size(65535, 65535), r"pixel data is truncated \(2880 of the 8589672450 bytes Rows x Columns x "
                                 r"BitsAllocated/8 call for\)"),
-], ids=["zero-pixel-spacing", "unnormalised-orientation", "skewed-orientation", "nan-position", "zero-rows",
+], ids=["zero-pixel-spacing", "unnormalised-orientation", "skewed-orientation", "nan-position", "position-beyond-a-kilometre",
+        "pixel-spacing-1e308", "pixel-spacing-1e-300", "zero-rows",
         "no-bits-allocated", "no-pixel-representation", "bits-stored-above-allocated", "zero-slope",
         "infinite-intercept", "slope-zero-in-float32", "slope-overflowing-float32", "intercept-beyond-float32",
         "two-frames-of-pixels", "columns-below-the-pixels", "rows-and-columns-far-beyond-the-pixels"])

@@ -40,6 +40,13 @@ _ORTHONORMAL_TOLERANCE = 2e-3
 _POSITION_ROUNDING_MM = 0.02
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
+# Spacings outside this range are damaged values, not voxels (micro-CT voxels are a micrometre): highdicom's
+# orthogonality check overflows or underflows on them (1e308, 1e-300) and refuses the affine with a ValueError.
+_PLAUSIBLE_SPACING_MM = (1e-4, 1e4)
+# A kilometre: farther coordinates are damaged values, and the bundles' float32 affines lose the millimetre there
+# (positions at 1e300 mm gave an empty segmentation, exit 0).
+_FARTHEST_POSITION_MM = 1e6
+_LISTED_DUPLICATES = 5
 # Compared as stored bytes across a series' slices: equal bytes, equal (already checked) values.
 _SLICE_SIZE = ("Rows", "Columns", "SamplesPerPixel")
 # With highdicom's (slice, row, column) index convention, a left-handed frame puts slices along +normal.
@@ -218,6 +225,9 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
             if None not in stored_size[:2] and (stored_size[2] is not None or "SamplesPerPixel" not in dataset):
                 checked_size = stored_size
         positions[k] = _geometry_values(instance, "ImagePositionPatient", 3)
+        if np.abs(positions[k]).max() > _FARTHEST_POSITION_MM:
+            raise VolumeError(f"{instance.path}: ImagePositionPatient {positions[k].tolist()}: expected coordinates "
+                              f"within {_FARTHEST_POSITION_MM:g} mm of the patient origin")
         for keyword, count, limit, what in (("ImageOrientationPatient", 6, _ORIENTATION_TOLERANCE, "orientations"),
                                             ("PixelSpacing", 2, _SPACING_TOLERANCE_MM, "pixel spacings")):
             stored = stored_bytes(dataset, keyword)
@@ -256,8 +266,10 @@ def _checked_reference(instance: Instance, keyword: str, count: int) -> np.ndarr
     """The first slice's PixelSpacing (both positive) or ImageOrientationPatient (two orthogonal unit vectors),
     which every other slice is compared with."""
     values = np.asarray(_geometry_values(instance, keyword, count))
-    if keyword == "PixelSpacing" and values.min() <= 0:
-        raise VolumeError(f"{instance.path}: PixelSpacing {values.tolist()}: expected two positive spacings (mm)")
+    if keyword == "PixelSpacing" and not (_PLAUSIBLE_SPACING_MM[0] <= values.min()
+                                          and values.max() <= _PLAUSIBLE_SPACING_MM[1]):
+        raise VolumeError(f"{instance.path}: PixelSpacing {values.tolist()}: expected two positive spacings (mm) from "
+                          f"{_PLAUSIBLE_SPACING_MM[0]:g} to {_PLAUSIBLE_SPACING_MM[1]:g}")
     if keyword == "ImageOrientationPatient":
         if max(_deviation_from_orthonormal(values[:3], values[3:])) > _ORTHONORMAL_TOLERANCE:
             raise VolumeError(f"{instance.path}: ImageOrientationPatient {values.tolist()}: expected two orthogonal "
@@ -291,7 +303,9 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
     if np.any(gaps < 1e-3):
         duplicate = float(sorted_distances[int(np.argmin(gaps))])
         paths = [str(instances[i].path) for i in np.flatnonzero(np.abs(distances - duplicate) < 1e-3)]
-        raise VolumeError(f"duplicated slice at {duplicate:.3f} mm along the slice normal: {', '.join(paths)}")
+        listed = ", ".join(paths[:_LISTED_DUPLICATES]) + (f" and {len(paths) - _LISTED_DUPLICATES} more"
+                                                           if len(paths) > _LISTED_DUPLICATES else "")
+        raise VolumeError(f"duplicated slice at {duplicate:.3f} mm along the slice normal: {listed}")
     position_list, orientation_list = positions.tolist(), orientation.tolist()
     atol = _spacing_atol(gaps, tolerance)
     spacing, indices = hd.spatial.get_volume_positions(position_list, orientation_list, atol=atol,
