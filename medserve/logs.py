@@ -13,10 +13,28 @@ _LIBRARY_LOGGERS = ("holoscan", "monai", "highdicom", "pydicom", "ignite", "urll
 _ERRORS_ONLY_LOGGERS = ("monai.deploy.core.models",)
 
 
+_RECORD_ATTRIBUTES = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+def extra_fields(record: logging.LogRecord) -> dict[str, object]:
+    """The fields a call passed with `extra=`: what the record holds beyond the standard attributes."""
+    return {key: value for key, value in vars(record).items() if key not in _RECORD_ATTRIBUTES}
+
+
+class TextFormatter(logging.Formatter):
+    """`LEVEL logger: message`, then any `extra=` fields as key=JSON: the text log says what the JSON one does
+    (which series the default selection left aside, and why)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        fields = "".join(f" {key}={json.dumps(value, default=str)}" for key, value in extra_fields(record).items())
+        return super().formatMessage(record) + fields
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, message and any `extra=` fields."""
-
-    _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -25,7 +43,7 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        entry.update({k: v for k, v in vars(record).items() if k not in self._RESERVED})
+        entry.update(extra_fields(record))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
@@ -56,7 +74,7 @@ def configure_logging(verbosity: int | None = None) -> int:
     if os.environ.get("MEDSERVE_LOG_FORMAT", "text") == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
