@@ -675,6 +675,11 @@ def _two_frames_of_pixel_data(dataset):
     (_drop("BitsAllocated"), r"BitsAllocated is missing; the pixels cannot be read without it"),
     (_drop("PixelRepresentation"), r"PixelRepresentation is missing"),
     (_set("BitsStored", 20), r"BitsStored 20 does not fit BitsAllocated 16; expected 1 to 16"),
+    (_set("PixelRepresentation", 2), r"PixelRepresentation 2 is not supported; expected 0 \(unsigned\) or 1 "
+                                      r"\(two's complement\)"),
+    (_set("PhotometricInterpretation", "PALETTE COLOR"), r"PhotometricInterpretation is PALETTE COLOR; expected "
+                                                         r"MONOCHROME1 or MONOCHROME2 \(greyscale CT/MR\)"),
+    (_set("PhotometricInterpretation", "RGB"), r"PhotometricInterpretation is RGB; expected MONOCHROME1"),
     (_set("RescaleSlope", "0"), r"RescaleSlope 0.0 / RescaleIntercept -1024.0: expected a finite, non-zero slope"),
     (_set("RescaleIntercept", "inf"), r"RescaleIntercept inf: expected a finite"),
     (_set("RescaleSlope", "1e-50"), r"RescaleSlope 1e-50 / RescaleIntercept -1024.0: expected a finite, non-zero "
@@ -690,7 +695,8 @@ def _two_frames_of_pixel_data(dataset):
                                 r"BitsAllocated/8 call for\)"),
 ], ids=["zero-pixel-spacing", "unnormalised-orientation", "skewed-orientation", "nan-position",
         "position-beyond-a-kilometre", "pixel-spacing-1e308", "pixel-spacing-1e-300", "zero-rows",
-        "no-bits-allocated", "no-pixel-representation", "bits-stored-above-allocated", "zero-slope",
+        "no-bits-allocated", "no-pixel-representation", "bits-stored-above-allocated",
+        "pixel-representation-2", "palette-color", "rgb-with-one-sample", "zero-slope",
         "infinite-intercept", "slope-zero-in-float32", "slope-overflowing-float32", "intercept-beyond-float32",
         "two-frames-of-pixels", "columns-below-the-pixels", "rows-and-columns-far-beyond-the-pixels"])
 def test_headers_that_do_not_describe_a_volume_are_refused_naming_the_file(tmp_path, phantom, edit, message):

@@ -131,7 +131,11 @@ def _pixel_format(instance: Instance) -> PixelFormat:
     if not 0 < stored <= bits:
         raise VolumeError(f"{instance.path}: BitsStored {stored} does not fit BitsAllocated {bits}; expected 1 to "
                           f"{bits}")
-    kind = "i" if integer_value(dataset, "PixelRepresentation") == 1 else "u"
+    representation = integer_value(dataset, "PixelRepresentation")
+    if representation not in (0, 1):
+        raise VolumeError(f"{instance.path}: PixelRepresentation {representation} is not supported; expected 0 "
+                          "(unsigned) or 1 (two's complement)")
+    kind = "i" if representation == 1 else "u"
     return PixelFormat(np.dtype(f"<{kind}{bits // 8}"), bits - stored, *_rescale(dataset, stored))
 
 

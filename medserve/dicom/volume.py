@@ -48,7 +48,10 @@ _PLAUSIBLE_SPACING_MM = (1e-4, 1e4)
 _FARTHEST_POSITION_MM = 1e6
 _LISTED_DUPLICATES = 5
 # Compared as stored bytes across a series' slices: equal bytes, equal (already checked) values.
-_SLICE_SIZE = ("Rows", "Columns", "SamplesPerPixel")
+_SLICE_SIZE = ("Rows", "Columns", "SamplesPerPixel", "PhotometricInterpretation")
+# Greyscale: values in modality units after the rescale. MONOCHROME1 only displays them inverted; PALETTE COLOR
+# values (one sample per pixel too) are indices into a colour table.
+_GREYSCALE = ("MONOCHROME1", "MONOCHROME2")
 # With highdicom's (slice, row, column) index convention, a left-handed frame puts slices along +normal.
 _ALONG_NORMAL = "LEFT_HANDED"
 
@@ -222,7 +225,7 @@ def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, n
         stored_size = tuple(stored_bytes(dataset, keyword) for keyword in _SLICE_SIZE)
         if stored_size != checked_size:
             _check_slice_size(instance, shape, first)
-            if None not in stored_size[:2] and (stored_size[2] is not None or "SamplesPerPixel" not in dataset):
+            if all(value is not None or keyword not in dataset for keyword, value in zip(_SLICE_SIZE, stored_size)):
                 checked_size = stored_size
         positions[k] = _geometry_values(instance, "ImagePositionPatient", 3)
         if np.abs(positions[k]).max() > _FARTHEST_POSITION_MM:
@@ -257,6 +260,10 @@ def _check_slice_size(instance: Instance, shape: tuple[int, int], first: Instanc
     if samples != 1:
         raise VolumeError(f"{instance.path}: SamplesPerPixel is {'empty' if samples is None else samples}; "
                           "expected 1 (greyscale CT/MR)")
+    photometric = str(dataset.get("PhotometricInterpretation") or "").strip()
+    if photometric and photometric not in _GREYSCALE:
+        raise VolumeError(f"{instance.path}: PhotometricInterpretation is {photometric}; expected MONOCHROME1 or "
+                          "MONOCHROME2 (greyscale CT/MR)")
     if (dataset.Rows, dataset.Columns) != shape:
         raise VolumeError(f"{instance.path}: slice size {dataset.Rows}x{dataset.Columns} differs from "
                           f"{shape[0]}x{shape[1]} of {first.path}: mixed sizes in one series")
