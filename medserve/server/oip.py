@@ -125,14 +125,14 @@ def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
 def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
     datatype = spec.get("datatype")
     shape = spec.get("shape")
-    if datatype not in DTYPES:
-        raise ApiError(400, "bad_request", f"unsupported datatype {datatype!r}")
-    if not isinstance(shape, list) or len(shape) != 5 or not all(isinstance(s, int) and s > 0 for s in shape):
+    if not isinstance(datatype, str) or datatype not in DTYPES:  # a list or object is not even hashable
+        raise ApiError(400, "bad_request", f"unsupported datatype {datatype!r}; expected one of {sorted(DTYPES)}")
+    if not isinstance(shape, list) or len(shape) != 5 or not all(_is_count(s) for s in shape):
         raise ApiError(400, "bad_request", f"input shape must be [N, C, X, Y, Z] of positive ints, got {shape}")
     dtype = DTYPES[datatype]
     size = _parameters(spec, "inputs[0]").get("binary_data_size")
     if size is not None:
-        if (not isinstance(size, int) or isinstance(size, bool) or size != math.prod(shape) * dtype.itemsize
+        if (not _is_count(size) or size != math.prod(shape) * dtype.itemsize
                 or len(binary) < size):
             raise ApiError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype}")
         array = np.frombuffer(binary[:size], dtype=dtype)
@@ -155,9 +155,22 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
     return tensor
 
 
+def _is_count(value: object) -> bool:
+    """A positive JSON integer: true and false are ints to Python, not to the protocol."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _flag(parameters: dict[str, Any], key: str, where: str, default: bool) -> bool:
+    """A boolean parameter; "false" as a string would be truthy, so only JSON true/false are taken."""
+    value = parameters.get(key, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, "bad_request", f"{where}.parameters.{key} must be true or false, not {value!r}")
+    return value
+
+
 def _binary_output(req: dict[str, Any]) -> bool:
     """Whether the output goes back in binary; checks 'outputs' and 'parameters' before anything runs."""
-    binary_default = bool(_parameters(req, "request").get("binary_data_output", False))
+    binary_default = _flag(_parameters(req, "request"), "binary_data_output", "request", False)
     wanted = req.get("outputs") or [{"name": OUTPUT_NAME}]
     if not isinstance(wanted, list) or not all(isinstance(w, dict) for w in wanted):
         raise ApiError(400, "bad_request", f"'outputs' must be a list of objects such as {{\"name\": "
@@ -165,7 +178,7 @@ def _binary_output(req: dict[str, Any]) -> bool:
     names = [w.get("name") for w in wanted]
     if any(n != OUTPUT_NAME for n in names):
         raise ApiError(400, "bad_request", f"unknown output(s) {names}; the only output is {OUTPUT_NAME!r}")
-    return bool(_parameters(wanted[0], "outputs[0]").get("binary_data", binary_default))
+    return _flag(_parameters(wanted[0], "outputs[0]"), "binary_data", "outputs[0]", binary_default)
 
 
 @router.post("/models/{name}/infer", dependencies=[Depends(require("infer"))])

@@ -71,7 +71,15 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
             ({"inputs": [{**tensor, "datatype": "FP64", "data": [1e40] * 8}]}, "NaN or infinite"),
             ({"inputs": [{**tensor, "datatype": "INT8", "data": [300] * 8}]}, "list of INT8 numbers"),
             ({"inputs": [{**tensor, "datatype": "UINT8", "data": [-1] * 8}]}, "list of UINT8 numbers"),
-            ({"inputs": [{**tensor, "datatype": "INT64", "data": [2**70] * 8}]}, "list of INT64 numbers")):
+            ({"inputs": [{**tensor, "datatype": "INT64", "data": [2**70] * 8}]}, "list of INT64 numbers"),
+            # Unhashable datatypes and boolean sizes were 500s (TypeError), a "false" string a binary answer.
+            ({"inputs": [{**tensor, "datatype": ["FP32"]}]}, "unsupported datatype ['FP32']; expected one of"),
+            ({"inputs": [{**tensor, "datatype": {"FP32": 1}}]}, "unsupported datatype {'FP32': 1}"),
+            ({"inputs": [{**tensor, "shape": [True, True, 2, 2, 2]}]}, "[N, C, X, Y, Z] of positive ints"),
+            ({"inputs": [tensor], "parameters": {"binary_data_output": "false"}},
+             "request.parameters.binary_data_output must be true or false, not 'false'"),
+            ({"inputs": [tensor], "outputs": [{"name": "OUTPUT", "parameters": {"binary_data": 1}}]},
+             "outputs[0].parameters.binary_data must be true or false, not 1")):
         r = httpx.post(url, content=json.dumps(request), headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and expected in r.json()["error"], (request, r.text)
     binary = {"inputs": [{**tensor, "data": None, "parameters": {"binary_data_size": 32.0}}]}
