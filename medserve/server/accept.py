@@ -9,6 +9,7 @@ refusing it would break clients that send one fixed Accept everywhere.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -52,12 +53,14 @@ def _format_of(media: str) -> str | None:
 
 
 def _quality(parameters: list[str]) -> float:
-    """The item's q-value, clamped to 0..1; one that is not a number is ignored (1), as a lenient reader does."""
+    """The item's q-value, clamped to 0..1; one that is not a finite number ('abc', 'nan') is ignored (1), as a
+    lenient reader does."""
     for parameter in parameters:
         name, _, value = parameter.partition("=")
         if name.strip() == "q":
             try:
-                return min(max(float(value.strip()), 0.0), 1.0)
+                quality = float(value.strip())
             except ValueError:
                 return 1.0
+            return min(max(quality, 0.0), 1.0) if math.isfinite(quality) else 1.0
     return 1.0

@@ -22,6 +22,8 @@ BOTH, NIFTI_ONLY, SEG_ONLY = ["seg", "nifti"], ["nifti"], ["seg"]
     ("application/dicom, application/gzip;q=0.5", NIFTI_ONLY, "nifti"),  # the best one the result has
     ("application/gzip, application/dicom;q=0.5", SEG_ONLY, "seg"),
     ("application/gzip;q=abc, application/dicom;q=0.5", BOTH, "nifti"),  # a q that is no number is ignored
+    ("application/gzip;q=nan, application/dicom;q=0.5", BOTH, "nifti"),  # was q=0: NaN passed the clamp
+    ("application/gzip;q=-inf, application/dicom;q=0.5", BOTH, "nifti"),
     ("application/dicom;q=1.5, application/gzip", BOTH, "seg"),  # clamped to 1, then the first named
     ('application/dicom; profile="a,b";q=0.1, application/gzip;q=0.5', BOTH, "nifti"),  # a quoted comma
     ("APPLICATION/DICOM;Q=0.2, application/gzip;q=0.1", BOTH, "seg"),
