@@ -47,6 +47,13 @@ _CORE_CODES: list[tuple[type[MedserveError], int, str]] = [
 ]
 
 
+def shown(value: object, limit: int = 100) -> str:
+    """`value` as its repr for a message, cut to `limit` characters: a 100,000-character name a client sent is
+    not sent back whole."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def header_int(text: str | None) -> int | None:
     """A non-negative integer header value, or None. Only ASCII digits: str.isdigit() also accepts '²'."""
     return int(text) if text is not None and text.isascii() and text.isdigit() else None

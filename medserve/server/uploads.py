@@ -23,22 +23,24 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
-from medserve.server.errors import ApiError, header_int
+from medserve.server.errors import ApiError, header_int, shown
 
 log = logging.getLogger("medserve.server.uploads")
 
 TUS_VERSION = "1.0.0"
 EXTENSIONS = "creation,termination,expiration,checksum"
 CHECKSUMS = {"sha1": hashlib.sha1, "md5": hashlib.md5, "sha256": hashlib.sha256}
-ID_RE = re.compile(r"^[0-9a-f]{32}$")
+ID_RE = re.compile(r"[0-9a-f]{32}")
 WRITE_BATCH = 4 * 1024 * 1024
 
 
@@ -89,8 +91,8 @@ class UploadStore:
             _drop_unverified(marker)
 
     def _paths(self, upload_id: str) -> tuple[Path, Path]:
-        if not ID_RE.match(upload_id):
-            raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}")
+        if not ID_RE.fullmatch(upload_id):
+            raise ApiError(404, "unknown_upload", f"no upload {shown(upload_id)}")
         return self.root / f"{upload_id}.bin", self.root / f"{upload_id}.json"
 
     def create(self, length: int, metadata_header: str = "") -> UploadInfo:
@@ -122,7 +124,7 @@ class UploadStore:
         try:
             info = UploadInfo(**json.loads(meta.read_text()))
         except FileNotFoundError as error:
-            raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}") from error
+            raise ApiError(404, "unknown_upload", f"no upload {shown(upload_id)}") from error
         if info.expires < time.time() and not self.busy(upload_id):  # a PATCH in progress renews it at its end
             self.delete(upload_id)
             raise ApiError(410, "upload_expired", f"upload {upload_id!r} expired")
@@ -132,7 +134,7 @@ class UploadStore:
         try:
             return self._paths(upload_id)[0].stat().st_size
         except FileNotFoundError as error:
-            raise ApiError(404, "unknown_upload", f"no upload {upload_id!r}") from error
+            raise ApiError(404, "unknown_upload", f"no upload {shown(upload_id)}") from error
 
     def touch(self, info: UploadInfo) -> None:
         """Activity extends the expiry (an upload that is being resumed should not vanish); refused (404) when its
@@ -208,7 +210,24 @@ def _uploads(request: Request) -> UploadStore:
     return request.app.state.uploads
 
 
-router = APIRouter(prefix="/v1/uploads", tags=["uploads (tus 1.0.0)"])
+class TusRoute(APIRoute):
+    """A tus endpoint: its error responses carry Tus-Resumable as its successes do (tus 1.0.0 asks for it on every
+    response but OPTIONS's), auth refusals included, as dependencies run inside the handler."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def with_version(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ApiError as error:
+                error.headers.setdefault("Tus-Resumable", TUS_VERSION)
+                raise
+
+        return with_version
+
+
+router = APIRouter(prefix="/v1/uploads", tags=["uploads (tus 1.0.0)"], route_class=TusRoute)
 
 
 @router.options("")
@@ -231,7 +250,7 @@ async def create(request: Request) -> Response:
         raise ApiError(400, "bad_upload_length", "Upload-Length must be a non-negative integer")
     if length > store.max_bytes:
         raise ApiError(413, "upload_too_large", f"Upload-Length {length} exceeds the limit of {store.max_bytes}",
-                       {"Tus-Max-Size": str(store.max_bytes), "Tus-Resumable": TUS_VERSION})
+                       {"Tus-Max-Size": str(store.max_bytes)})
     info = store.create(length, request.headers.get("upload-metadata", ""))
     log.info("upload %s created (%d bytes, %s)", info.id, length, info.metadata.get("filename"))
     location = str(request.url_for("upload_head", upload_id=info.id))
@@ -277,12 +296,15 @@ async def patch(request: Request, upload_id: str) -> Response:
             checksum = (CHECKSUMS[algo](), base64.b64decode(digest.strip(), validate=True))
         except binascii.Error as error:
             raise ApiError(400, "bad_checksum", "Upload-Checksum digest is not base64") from error
+        if len(checksum[1]) != checksum[0].digest_size:  # no digest at all would be a 460 after the whole body
+            raise ApiError(400, "bad_checksum", f"Upload-Checksum needs 'ALGORITHM BASE64-DIGEST' with the "
+                           f"{checksum[0].digest_size}-byte {algo} digest; got {len(checksum[1])} byte(s)")
     # 404/410 first, so that only uploads that exist get a lock; no await until the lock is held, so nothing
     # runs in between.
     info = store.info(upload_id)
     lock = store.lock(upload_id)
     if lock.locked():
-        raise ApiError(423, "upload_locked", "another PATCH is writing this upload", {"Tus-Resumable": TUS_VERSION})
+        raise ApiError(423, "upload_locked", "another PATCH is writing this upload")
     async with lock:
         data_path = store._paths(upload_id)[0]
         offset = store.offset(upload_id)
@@ -290,10 +312,10 @@ async def patch(request: Request, upload_id: str) -> Response:
         claimed_offset = header_int(claimed)
         if claimed_offset is None:
             raise ApiError(400, "bad_upload_offset", f"Upload-Offset must be a non-negative integer, not {claimed!r}",
-                           {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
+                           {"Upload-Offset": str(offset)})
         if claimed_offset != offset:
             raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
-                           {"Upload-Offset": str(offset), "Tus-Resumable": TUS_VERSION})
+                           {"Upload-Offset": str(offset)})
         if checksum is None:
             received = await _receive(request, data_path, offset, info.length)
         else:
@@ -332,7 +354,7 @@ async def _receive_verified(request: Request, path: Path, pending: Path, offset:
                 received, disconnected = await _write_body(request, out, offset, length, digest)
                 if not disconnected and digest.digest() != expected:
                     raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk "
-                                   "dropped", {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
+                                   "dropped", {"Upload-Offset": str(offset)})
             except BaseException:
                 await anyio.to_thread.run_sync(_truncate, out, offset)
                 raise
@@ -370,7 +392,7 @@ async def _write_body(request: Request, out: Any, offset: int, length: int, dige
             if offset + received > length:
                 await anyio.to_thread.run_sync(_truncate, out, start)
                 raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {length}",
-                               {"Tus-Resumable": TUS_VERSION, "Upload-Offset": str(offset)})
+                               {"Upload-Offset": str(offset)})
             if digest is not None:
                 digest.update(chunk)
             buffer += chunk
@@ -398,6 +420,6 @@ async def terminate(request: Request, upload_id: str) -> Response:
     store = _uploads(request)
     store.info(upload_id)
     if store.busy(upload_id):
-        raise ApiError(423, "upload_locked", "a PATCH is writing this upload", {"Tus-Resumable": TUS_VERSION})
+        raise ApiError(423, "upload_locked", "a PATCH is writing this upload")
     store.delete(upload_id)
     return Response(status_code=204, headers=_tus_headers())

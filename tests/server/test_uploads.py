@@ -151,11 +151,21 @@ def test_metadata_comes_back_as_sent(make_server) -> None:
 def test_protocol_errors(make_server) -> None:
     server = make_server(max_upload_bytes=1000)
     url = _create(server, 10)
-    # wrong offset -> 409, missing Tus-Resumable -> 412, wrong content type -> 415
-    assert _patch(url, b"abc", 5).status_code == 409
+    # wrong offset -> 409, missing Tus-Resumable -> 412, wrong content type -> 415, unknown upload -> 404; each
+    # with Tus-Resumable, as tus asks of every response (the errors had none)
     not_tus = {"Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"}
-    assert httpx.patch(url, content=b"a", headers=not_tus).status_code == 412
-    assert httpx.patch(url, content=b"a", headers={**TUS, "Upload-Offset": "0"}).status_code == 415
+    for response, status in ((_patch(url, b"abc", 5), 409),
+                             (httpx.patch(url, content=b"a", headers=not_tus), 412),
+                             (httpx.patch(url, content=b"a", headers={**TUS, "Upload-Offset": "0"}), 415),
+                             (httpx.head(server.url + "/v1/uploads/" + "0" * 32, headers=TUS), 404),
+                             (httpx.delete(server.url + "/v1/uploads/nope", headers=TUS), 404)):
+        assert (response.status_code, response.headers.get("Tus-Resumable")) == (status, "1.0.0"), response
+    # a digest of the wrong size (none, as a bare 'sha1') -> 400 before the body is read, not 460 after it
+    for header, size in (("sha1", 0), ("sha1 " + base64.b64encode(b"short").decode(), 5)):
+        r = _patch(url, b"hello", 0, **{"Upload-Checksum": header})
+        assert r.status_code == 400 and r.json() == {
+            "error": "bad_checksum", "message": f"Upload-Checksum needs 'ALGORITHM BASE64-DIGEST' with the 20-byte "
+                                                f"sha1 digest; got {size} byte(s)"}, r.text
     # checksum mismatch -> 460 and nothing kept; correct checksum -> 204
     bad = "sha1 " + base64.b64encode(hashlib.sha1(b"other").digest()).decode()
     r = _patch(url, b"hello", 0, **{"Upload-Checksum": bad})
