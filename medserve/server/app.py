@@ -26,7 +26,7 @@ from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
                                     internal_error_handler, validation_error_handler)
-from medserve.server.inputs import InputSpec, json_object, media_type, parse_input
+from medserve.server.inputs import InputSpec, json_object, media_type, parse_input, request_options
 from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
 from medserve.server.lock import lock_data_dir
 from medserve.server.metrics import Metrics
@@ -51,16 +51,16 @@ def check_format(fmt: Any) -> str:
 MODEL_ACTIONS = ("load", "unload", "infer")  # POST /v1/models/NAME/ACTION
 
 
-def requested_format(request: Request, options: dict[str, Any]) -> str | None:
+def requested_format(options: dict[str, Any]) -> str | None:
     """The `?format=` or form/JSON field, checked: known before the study is read, so a bad one is refused first."""
-    fmt = request.query_params.get("format") or options.get("format")
+    fmt = options.get("format")
     return None if fmt is None else check_format(fmt)
 
 
 def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
     """`?format=` / form field wins, then Accept, then the natural output of the input (SEG for DICOM)."""
     available = ["nifti"] if spec.kind == "nifti" else ["seg", "nifti"]
-    fmt = requested_format(request, options) or preferred_format(request.headers.get("accept", ""), available)
+    fmt = requested_format(options) or preferred_format(request.headers.get("accept", ""), available)
     if fmt not in available:
         raise ApiError(406, "format_unavailable", "a NIfTI input can only produce a NIfTI label map")
     return fmt
@@ -69,10 +69,10 @@ def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) ->
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def writeback_option(request: Request, options: dict[str, Any]) -> bool:
+def writeback_option(options: dict[str, Any]) -> bool:
     """`?writeback=` or the form/JSON field: a boolean (JSON) or one of the usual words; anything else is a 400
     rather than a silent "no"."""
-    value = request.query_params.get("writeback", options.get("writeback", False))
+    value = options.get("writeback", False)
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
@@ -206,9 +206,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         status = "500"
         try:
             spec, options = await parse_input(request, work / "input", config.max_upload_bytes,
-                                              lambda options: requested_format(request, options))
+                                              requested_format)
             fmt = choose_format(request, options, spec)
-            if writeback_option(request, options):
+            if writeback_option(options):
                 raise ApiError(400, "bad_parameter", "writeback applies to jobs (POST /v1/jobs), which store the SEG "
                                "back; a sync request returns it")
             if spec.kind == "dicomweb":
@@ -251,8 +251,8 @@ def create_app(config: ServerConfig) -> FastAPI:
 
         def job_model(options: dict[str, Any]) -> str:
             """The model the request names, checked before its study is read (a big one takes a while)."""
-            model = named or options.get("model")
-            if not model:
+            model = options.get("model")
+            if model is None or model == "":  # false or 0 are no names: check_model_name says so
                 raise ApiError(400, "no_model", "the 'model' field is missing: name the model with "
                                "POST /v1/jobs?model=NAME or a 'model' field in the form or JSON body")
             check_model_name(model)
@@ -261,11 +261,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             return model
 
         if named:
-            job_model({})
+            job_model(request_options(request))
         if existing is not None and media_type(request) == "application/json":
             # A replay of {"upload": ID}: no need to extract that upload again (a big study takes a while), nor for
             # it to exist still. Bodies that carry the study itself are read in full as usual.
-            return _replayed(existing, job_model(await json_object(request)))
+            return _replayed(existing, job_model(request_options(request, (await json_object(request)).items())))
         job_id = jobs.new_id()
         folder = jobs.job_dir(job_id)
         try:
@@ -274,7 +274,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             if existing is not None:
                 shutil.rmtree(folder, ignore_errors=True)
                 return _replayed(existing, model)
-            writeback = writeback_option(request, options)
+            writeback = writeback_option(options)
             if writeback and spec.kind != "dicomweb":
                 raise ApiError(400, "writeback_needs_dicomweb", "writeback only applies to DICOMweb inputs")
             try:

@@ -13,21 +13,23 @@ import shutil
 import stat
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import anyio
-from starlette.datastructures import UploadFile
+from python_multipart.multipart import parse_options_header
+from starlette.datastructures import FormData, UploadFile
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
 
 from medserve.dicom.index import looks_like_dicom
-from medserve.server.errors import ApiError, header_int
+from medserve.server.errors import ApiError, header_int, shown
 
 log = logging.getLogger("medserve.server.inputs")
 
+OPTION_FIELDS = ("format", "writeback", "model")  # in the query string, or fields beside the input
 MAX_JSON_BYTES = 1024 * 1024  # {"upload": ID} / {"study", "series"} references are a few hundred bytes
 MAX_FORM_FILES = 100_000  # Starlette's default of 1000 is below the slice count of many CT series
 UID_RE = re.compile(r"[0-9]+(\.[0-9]+)*")  # DICOM UIDs: digits and dots, at most 64 characters (PS3.5 9.1)
@@ -100,11 +102,17 @@ def extract_zip(archive: Path, dest: Path, max_bytes: int) -> int:
         raise ApiError(400, "bad_zip", f"not a readable zip file: {error}") from error
     with zf:
         members = zf.infolist()
+        first_named: dict[tuple[str, ...], zipfile.ZipInfo] = {}
         for info in members:
-            if _safe_member(info.filename) is None:
+            rel = _safe_member(info.filename)
+            if rel is None:
                 raise ApiError(400, "zip_slip", f"zip member {info.filename!r} points outside the study folder")
             if stat.S_ISLNK(info.external_attr >> 16):
                 raise ApiError(400, "zip_slip", f"zip member {info.filename!r} is a symbolic link")
+            if not info.is_dir() and (earlier := first_named.setdefault(rel.parts, info)) is not info:
+                # Extracting both would keep only the last: a study silently short of files.
+                raise ApiError(400, "bad_zip", f"zip member {info.filename!r} has the path of an earlier member "
+                               f"({earlier.filename!r}); expected each file once")
         if sum(i.file_size for i in members) > max_bytes:
             raise ApiError(413, "zip_too_large", f"zip expands past the limit of {max_bytes} bytes")
         count = 0
@@ -271,12 +279,71 @@ async def _save_body(request: Request, target: Path, max_bytes: int) -> None:
         raise ApiError(400, "truncated_body", f"received {size} of {declared} declared bytes")
 
 
+async def _read_form(request: Request, max_bytes: int) -> FormData:
+    """The multipart body's fields and files, refused when it stops before its close delimiter: python-multipart
+    returns the parts it finished, so a body cut between two parts (its Content-Length true to what was sent)
+    would otherwise pass for a whole, smaller study."""
+    _, parameters = parse_options_header(request.headers.get("content-type", ""))
+    delimiter = _CloseDelimiter(parameters.get(b"boundary", b""))
+    body = limited(request, max_bytes)
+
+    async def receive() -> Message:
+        message = await body.receive()
+        delimiter.feed(message.get("body", b""))
+        return message
+
+    try:
+        form = await Request(request.scope, receive).form(max_files=MAX_FORM_FILES, max_fields=100)
+    except ClientDisconnect as error:
+        raise ApiError(400, "truncated_body", "the client disconnected during the upload") from error
+    except ApiError:
+        raise
+    except Exception as error:  # malformed multipart bodies surface as assorted parser errors
+        raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {error}") from error
+    if not delimiter.seen:
+        await form.close()
+        raise ApiError(400, "truncated_body", "the multipart body ends before its closing boundary "
+                       "('--BOUNDARY--'): it was cut short, and the parts it holds may not be the whole study")
+    return form
+
+
+class _CloseDelimiter:
+    """Watches a multipart body, chunk by chunk, for its close delimiter: CRLF, '--', the boundary, '--'."""
+
+    def __init__(self, boundary: bytes) -> None:
+        self.marker = b"\r\n--" + boundary + b"--"
+        self.seen = False
+        self._tail = b"\r\n"  # a body may open with its close delimiter (no parts)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.seen or not chunk:
+            return
+        window = self._tail + chunk
+        self.seen = self.marker in window
+        self._tail = window[-(len(self.marker) - 1):]
+
+
 def _check_uid(body: dict[str, Any], field: str, level: str) -> None:
     """A DICOMweb reference becomes part of the store's URL: only well-formed UIDs get that far."""
     value = body[field]
     if not isinstance(value, str) or len(value) > 64 or not UID_RE.fullmatch(value):
         raise ApiError(400, "bad_reference", f"{field!r} must be a {level} Instance UID (digits and dots, at most "
                        f"64 characters), not {value!r}")
+
+
+def request_options(request: Request, body_fields: Iterable[tuple[str, Any]] = ()) -> dict[str, Any]:
+    """The options (`format`, `writeback`, `model`) a request gives in its query string and beside its input
+    (form or JSON fields), together. One given more than once with different values is a 400 naming both, not a
+    silent pick of the first or the last."""
+    options: dict[str, Any] = {}
+    for key, value in (*request.query_params.multi_items(), *body_fields):
+        if key not in OPTION_FIELDS:
+            continue
+        if key in options and options[key] != value:
+            raise ApiError(400, "bad_parameter", f"{key!r} is given more than once, as {shown(options[key])} and "
+                           f"{shown(value)}; give it once")
+        options[key] = value
+    return options
 
 
 def media_type(request: Request) -> str:
@@ -295,10 +362,13 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     uploads = request.app.state.uploads
     if content_type == "application/json":
         body = await json_object(request)
-        options = {k: body[k] for k in ("format", "writeback", "model") if k in body}
+        options = request_options(request, body.items())
         check(options)
         if "upload" in body:
-            path = uploads.finished(str(body["upload"]))
+            if not isinstance(body["upload"], str):
+                raise ApiError(400, "bad_json", f"'upload' must be the id of a tus upload (a string), not "
+                               f"{shown(body['upload'])}")
+            path = uploads.finished(body["upload"])
             spec = await anyio.to_thread.run_sync(stage_upload, path, dest, max_bytes)
             return spec, options
         if "study" in body:
@@ -316,16 +386,9 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
             return InputSpec("dicomweb", study=body["study"], series=series), options
         raise ApiError(400, "bad_json", "expected {\"upload\": ID} or {\"study\": UID, \"series\": UID?}")
     if content_type == "multipart/form-data":
+        form = await _read_form(request, max_bytes)
         try:
-            form = await limited(request, max_bytes).form(max_files=MAX_FORM_FILES, max_fields=100)
-        except ClientDisconnect as error:
-            raise ApiError(400, "truncated_body", "the client disconnected during the upload") from error
-        except ApiError:
-            raise
-        except Exception as error:  # malformed multipart bodies surface as assorted parser errors
-            raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {error}") from error
-        try:
-            options = {k: v for k, v in form.items() if k in ("format", "writeback", "model") and isinstance(v, str)}
+            options = request_options(request, ((k, v) for k, v in form.multi_items() if isinstance(v, str)))
             check(options)
             parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
             if not parts:
@@ -355,7 +418,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
         return InputSpec("dicom", dest / "dicom"), options
     if content_type in ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",
                         "application/x-nifti"):
-        options = dict(request.query_params)
+        options = request_options(request)
         check(options)
         target = dest / "body"
         await _save_body(request, target, max_bytes)

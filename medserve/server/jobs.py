@@ -32,7 +32,7 @@ from medserve.errors import MedserveError
 from medserve.server import maps
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, DicomWebError, with_retries
-from medserve.server.errors import ApiError, client_message
+from medserve.server.errors import ApiError, client_message, shown
 from medserve.server.inputs import InputSpec
 from medserve.server.runner import execute, pull
 from medserve.server.store import ModelStore
@@ -502,4 +502,4 @@ def _segmented(result: Any) -> str | None:
 
 
 def _unknown_job(job_id: str) -> ApiError:
-    return ApiError(404, "unknown_job", f"no job {job_id!r}")
+    return ApiError(404, "unknown_job", f"no job {shown(job_id)}")

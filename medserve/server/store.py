@@ -43,26 +43,27 @@ import anyio
 
 from medserve.errors import BundleError, MedserveError
 from medserve.server.config import ServerConfig
-from medserve.server.errors import ApiError, client_message
+from medserve.server.errors import ApiError, client_message, shown
 from medserve.server.maps import SUFFIX as MAP_SUFFIX
 from medserve.server.maps import MapModel
 
 log = logging.getLogger("medserve.server.store")
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 Fingerprint = tuple[tuple[str, int, int], ...]
 
 
 def is_model_name(name: str) -> bool:
     """Model names are folder names: no path separators, no `..`, nothing a path could be built from."""
-    return bool(NAME_RE.match(name)) and ".." not in name
+    return bool(NAME_RE.fullmatch(name)) and ".." not in name
 
 
 def check_model_name(name: Any) -> str:
     if not isinstance(name, str) or not is_model_name(name):
         raise ApiError(400, "bad_model_name",
-                       f"invalid model name {name!r}: use letters, digits, '.', '_' or '-', no path separators")
+                       f"invalid model name {shown(name)}: use letters, digits, '.', '_' or '-' (at most 128), no "
+                       "path separators")
     return name
 
 

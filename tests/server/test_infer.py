@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -448,6 +449,90 @@ def test_deep_json_and_clashing_part_names_are_handled(thr_server, tmp_path: Pat
     files = [("files", (name, path.read_bytes(), "application/dicom")) for name, path in zip(names, slices)]
     r = httpx.post(thr_server.url + "/v1/models/thr/infer", files=files, timeout=120)
     assert r.status_code == 200, r.text  # a lost slice would be a 422 (a series with a missing slice)
+
+
+def test_names_and_ids_are_checked_whole_and_echoed_short(thr_server) -> None:
+    """A trailing newline passed the name patterns ('$' matches before it: 404 instead of 400); a 10,000-character
+    name came back whole in the message; `false` as a model was 'missing', `null` as an upload 'no upload None'."""
+    url = thr_server.url
+    r = httpx.post(url + "/v1/jobs?model=thr%0A", json={"upload": "0" * 32})
+    assert r.status_code == 400 and r.json()["error"] == "bad_model_name", r.text
+    r = httpx.post(url + "/v1/models/" + "a" * 10_000 + "/infer", json={"upload": "x"})
+    assert r.status_code == 400 and r.json()["error"] == "bad_model_name", r.text
+    assert r.json()["message"].startswith("invalid model name '" + "a" * 99 + "... (10002 characters): use"), r.text
+    r = httpx.get(url + "/v1/jobs/" + "b" * 10_000)
+    assert r.status_code == 404 and r.json()["message"] == "no job '" + "b" * 99 + "... (10002 characters)", r.text
+    r = httpx.post(url + "/v1/models/thr/infer", json={"upload": "0" * 32 + "\n"})
+    assert r.status_code == 404 and r.json()["error"] == "unknown_upload", r.text
+    for model in (False, 0):
+        r = httpx.post(url + "/v1/jobs", json={"upload": "0" * 32, "model": model})
+        assert r.status_code == 400 and r.json()["error"] == "bad_model_name", (model, r.text)
+    r = httpx.post(url + "/v1/models/thr/infer", json={"upload": None})
+    assert r.status_code == 400 and r.json() == {
+        "error": "bad_json", "message": "'upload' must be the id of a tus upload (a string), not None"}, r.text
+
+
+def test_an_option_given_twice_with_different_values_is_refused(thr_server, tmp_path: Path) -> None:
+    """The first or the last value won silently, and the query string over the form: `-F format=seg -F
+    format=nifti` gave a label map, `?model=thr` with a form field `model=nope` a job on thr."""
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    url = thr_server.url
+    for path, fields, shown in (
+            ("/v1/models/thr/infer", {"format": ["seg", "nifti"]}, "'format' is given more than once, as 'seg' and "
+                                                                   "'nifti'; give it once"),
+            ("/v1/models/thr/infer?format=nifti", {"format": "seg"}, "'format' is given more than once, as 'nifti' "
+                                                                     "and 'seg'; give it once"),
+            ("/v1/jobs?model=thr", {"model": "nope"}, "'model' is given more than once, as 'thr' and 'nope'; give "
+                                                      "it once")):
+        r = httpx.post(url + path, files=multipart_files(study), data=fields, timeout=120)
+        assert r.status_code == 400 and r.json() == {"error": "bad_parameter", "message": shown}, (path, r.text)
+    r = httpx.post(url + "/v1/models/thr/infer?format=nifti&format=seg", content=_zip(study),
+                   headers={"Content-Type": "application/zip"})
+    assert r.status_code == 400 and r.json()["error"] == "bad_parameter", r.text
+    r = httpx.post(url + "/v1/models/thr/infer?format=nifti", files=multipart_files(study),
+                   data={"format": "nifti"}, timeout=120)  # the same value twice says one thing
+    assert r.status_code == 200 and r.headers["content-type"] == "application/gzip", r.text
+
+
+def _multipart(paths: list[Path], boundary: bytes = b"XYZ") -> bytes:
+    parts = [b"--" + boundary + b"\r\nContent-Disposition: form-data; name=\"files\"; filename=\"" + p.name.encode()
+             + b"\"\r\nContent-Type: application/dicom\r\n\r\n" + p.read_bytes() + b"\r\n" for p in paths]
+    return b"".join(parts) + b"--" + boundary + b"--\r\n"
+
+
+def test_a_multipart_body_cut_before_its_closing_boundary_is_refused(thr_server, tmp_path: Path) -> None:
+    """python-multipart returns the parts it finished: a body cut after some parts (its Content-Length true to
+    what was sent) ran on the slices that had arrived, 200 or a succeeded job."""
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    whole = _multipart(sorted(study.iterdir()))
+    headers = {"Content-Type": "multipart/form-data; boundary=XYZ"}
+    assert httpx.post(thr_server.url + "/v1/models/thr/infer", content=whole, headers=headers,
+                      timeout=120).status_code == 200
+    cut_in_a_part = whole[:whole.index(b"--XYZ\r\n", len(whole) // 2) + 300]
+    cut_between_parts = whole[:whole.rindex(b"--XYZ--")]
+    for body in (cut_in_a_part, cut_between_parts):
+        for path in ("/v1/models/thr/infer", "/v1/jobs?model=thr"):
+            r = httpx.post(thr_server.url + path, content=body, headers=headers, timeout=120)
+            assert r.status_code == 400 and r.json()["error"] == "truncated_body", (path, r.text)
+            assert "ends before its closing boundary" in r.json()["message"]
+    r = httpx.post(thr_server.url + "/v1/models/thr/infer", content=b"--XYZ--\r\n", headers=headers)
+    assert r.status_code == 400 and r.json()["error"] == "empty_input", r.text
+
+
+def test_zip_members_of_one_path_are_refused_not_overwritten(thr_server, tmp_path: Path) -> None:
+    """Every slice stored as 'slice.dcm' ran on the last one alone (200, the other slices lost)."""
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(buffer, "w") as zf:
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate name it is asked to write
+        for path in sorted(study.iterdir()):
+            zf.writestr("study/slice.dcm", path.read_bytes())
+        zf.writestr("study/./slice.dcm", b"")  # the same path, spelled otherwise
+    r = httpx.post(thr_server.url + "/v1/models/thr/infer", content=buffer.getvalue(),
+                   headers={"Content-Type": "application/zip"})
+    assert r.status_code == 400 and r.json() == {
+        "error": "bad_zip", "message": "zip member 'study/slice.dcm' has the path of an earlier member "
+                                       "('study/slice.dcm'); expected each file once"}, r.text
 
 
 def test_a_retrieve_that_breaks_off_closes_the_instance_being_written(tmp_path: Path) -> None:
