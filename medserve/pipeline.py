@@ -122,6 +122,10 @@ def volume_from_nifti(path: Path) -> hd.Volume:
         array = np.asarray(image.dataobj, dtype=np.float32)
     except NiftiInputError:
         raise
+    except MemoryError as error:  # a damaged header's shape (32767^3) is met by the allocation
+        gib = np.prod(image.shape, dtype=np.float64) * 4 / 2**30
+        raise NiftiInputError(f"{path}: NIfTI image of {' x '.join(map(str, image.shape))} voxels needs {gib:.1f} "
+                              f"GiB as float32, more than can be allocated here") from error
     except Exception as error:  # nibabel raises ImageFileError, EOFError, zlib errors on damaged files
         raise NiftiInputError(f"{path}: not a readable NIfTI image ({error})") from error
     if array.ndim != 3:

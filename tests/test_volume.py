@@ -787,3 +787,15 @@ def test_a_nifti_volume_that_is_not_real_finite_3d_is_refused_naming_the_file(tm
     nib.save(nib.Nifti1Image(voxels, NIFTI_AFFINE), tmp_path / "odd.nii.gz")
     with pytest.raises(NiftiInputError, match=rf"^{tmp_path / 'odd.nii.gz'}: NIfTI image {expected}"):
         volume_from_nifti(tmp_path / "odd.nii.gz")
+
+
+def test_a_nifti_header_declaring_more_voxels_than_memory_holds_is_refused_with_their_size(tmp_path):
+    """A damaged dim field (32767 cubed, 128 TiB as float32) ended in 'not a readable NIfTI image ()': the
+    MemoryError of the allocation has no message."""
+    image = nib.Nifti1Image(np.zeros((4, 4, 4), np.float32), NIFTI_AFFINE)
+    image.header.set_data_shape((32767, 32767, 32767))
+    path = tmp_path / "huge.nii"
+    path.write_bytes(image.header.binaryblock + bytes(4) + bytes(256))
+    with pytest.raises(NiftiInputError, match=rf"^{path}: NIfTI image of 32767 x 32767 x 32767 voxels needs "
+                                              r"131060\.0 GiB as float32, more than can be allocated here$"):
+        volume_from_nifti(path)
