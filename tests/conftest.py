@@ -30,6 +30,14 @@ def run_app(*args: str | Path, env: dict[str, str] | None = None, timeout: float
                           env={**os.environ, **(env or {})})
 
 
+def run_unprivileged(code: str, *args: str | Path) -> subprocess.CompletedProcess:
+    """Python `code` in a process for which chmod 000 holds: as root (how the tests run), without the capabilities
+    that override file permissions."""
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    return subprocess.run([*drop, sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+
+
 @pytest.fixture(scope="session")
 def demo_study(tmp_path_factory) -> tuple[Path, WrittenSeries, object]:
     folder = tmp_path_factory.mktemp("demo_study")

@@ -23,6 +23,7 @@ from medserve.dicom.select import load_rules, select_series
 from medserve.dicom.volume import series_to_volume
 from medserve.errors import DicomInputError, SelectionError, VolumeError
 from operators.series_selector import as_sdk_selection
+from tests.conftest import run_unprivileged
 
 
 @pytest.fixture
@@ -190,6 +191,24 @@ def test_symbolic_links_to_folders_are_followed_once_and_broken_links_skipped(tw
     index = index_folder(linked)
     assert sorted(len(s.instances) for s in index.all_series) == [3, 16]
     assert (linked / "gone.dcm", "broken symbolic link") in index.skipped
+
+
+def test_a_folder_that_cannot_be_read_is_refused_naming_it(tmp_path):
+    """os.walk skipped it without a word: the study was segmented on the slices it could list, exit 0."""
+    written = write_ct_series(make_phantom(shape=(6, 16, 16), seed=1).hu, tmp_path / "study")
+    hidden = tmp_path / "study" / "more"
+    hidden.mkdir()
+    for path in written.paths[3:]:
+        path.rename(hidden / path.name)
+    hidden.chmod(0)
+    try:
+        result = run_unprivileged("import sys; from medserve.dicom.index import index_folder; "
+                                  "index_folder(sys.argv[1])", tmp_path / "study")
+    finally:
+        hidden.chmod(0o755)
+    assert result.returncode == 1, result.stderr
+    assert (f"medserve.errors.DicomInputError: {hidden}: folder cannot be read (Permission denied); expected every "
+            "folder of the study to be readable") in result.stderr
 
 
 def test_image_without_sop_instance_uid_is_refused_naming_the_file(two_series_study):

@@ -185,7 +185,7 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         raise DicomInputError(f"input {root} is not a folder: expected a folder of DICOM files")
     if exclude is not None and os.path.realpath(exclude) == os.path.realpath(root):
         exclude = None  # the same folder for input and output: only a folder below the input is left out
-    paths = sorted(_files_under(root, exclude))
+    paths = sorted(files_under(root, exclude))
     if not paths:
         raise DicomInputError(f"input folder {root} is empty: expected DICOM files")
 
@@ -254,12 +254,13 @@ def _sop_class_name(dataset: Dataset) -> str:
     return sop_class.name if sop_class.name != sop_class else f"SOP class {sop_class}"  # unknown: name is the UID
 
 
-def _files_under(root: Path, exclude: Path | str | None = None) -> list[Path]:
+def files_under(root: Path, exclude: Path | str | None = None) -> list[Path]:
     """Every file under `root`, following symbolic links to folders (mounted volumes often are), each real
-    folder once, none under `exclude`."""
+    folder once, none under `exclude`. A folder that cannot be listed is a DicomInputError naming it: the study
+    would otherwise be read in part and segmented as if whole."""
     files: list[Path] = []
     seen: set[str] = {os.path.realpath(exclude)} if exclude is not None else set()
-    for dirpath, dirnames, names in os.walk(root, followlinks=True):
+    for dirpath, dirnames, names in os.walk(root, onerror=_unlistable, followlinks=True):
         real = os.path.realpath(dirpath)
         if real in seen:
             dirnames.clear()  # a link back up the tree, or a second link to the same folder
@@ -267,6 +268,11 @@ def _files_under(root: Path, exclude: Path | str | None = None) -> list[Path]:
         seen.add(real)
         files.extend(Path(dirpath) / name for name in names)
     return files
+
+
+def _unlistable(error: OSError) -> None:
+    raise DicomInputError(f"{error.filename}: folder cannot be read ({error.strerror or error}); expected every "
+                          "folder of the study to be readable") from error
 
 
 def _read_or_skip(path: Path, skipped: list[tuple[Path, str]]) -> Instance | None:

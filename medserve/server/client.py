@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from medserve.errors import MedserveError
+from medserve.errors import DicomInputError, MedserveError
 
 log = logging.getLogger("medserve.server.client")
 
@@ -36,9 +36,13 @@ def study_zip(study_dir: Path) -> Path:
     always gives the same bytes, which is what lets a re-run resume the earlier upload instead of starting over.
     Other files (a CD's README.txt, autorun.inf, .DS_Store) are left out with a warning, as the DICOM loader
     skips them; the server would refuse them."""
+    from medserve.dicom.index import files_under
     from medserve.server.inputs import NOT_DICOM, sniff
 
-    found = sorted(p for p in study_dir.rglob("*") if p.is_file())
+    try:  # the files the app would read: links to folders followed, an unreadable folder refused
+        found = sorted(p for p in files_under(study_dir) if p.is_file())
+    except DicomInputError as error:
+        raise ClientError(str(error)) from error
     try:
         files = [p for p in found if sniff(p) == "dicom"]
     except OSError as error:

@@ -13,6 +13,7 @@ from tusclient import client as tus
 from tusclient.storage.filestorage import FileStorage
 
 from medserve.server.client import UploadKey, study_zip
+from tests.conftest import run_unprivileged
 from tests.server.conftest import REPO, add_bundle
 
 
@@ -208,3 +209,29 @@ def test_client_commands_say_in_one_line_that_the_server_is_down(tmp_path: Path)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
         assert last.startswith(f"error: cannot reach the medserve server at {url}: "), (args, last)
         assert "Connection refused" in last and not last.endswith("None"), (args, last)
+
+
+def test_the_study_zip_holds_what_the_app_reads(tmp_path: Path, monkeypatch) -> None:
+    """`medserve infer` zipped with rglob: slices behind a link to a folder were left out (the app follows such
+    links) and an unreadable folder was skipped; either way a part of the study was segmented as the whole."""
+    from medserve.demo.phantom import make_phantom
+    from medserve.demo.study import write_ct_series
+
+    written = write_ct_series(make_phantom(shape=(6, 16, 16), seed=1).hu, tmp_path / "elsewhere")
+    study = tmp_path / "study"
+    study.mkdir()
+    for path in written.paths[:3]:
+        path.rename(study / path.name)
+    (study / "more").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    monkeypatch.setenv("MEDSERVE_CACHE", str(tmp_path / "cache"))
+    with __import__("zipfile").ZipFile(study_zip(study)) as archive:
+        assert sorted(archive.namelist()) == sorted([p.name for p in written.paths[:3]]
+                                                    + [f"more/{p.name}" for p in written.paths[3:]])
+    (tmp_path / "elsewhere").chmod(0)
+    try:
+        result = run_unprivileged("import sys; from medserve.server.client import study_zip; study_zip("
+                                  "__import__('pathlib').Path(sys.argv[1]))", study)
+    finally:
+        (tmp_path / "elsewhere").chmod(0o755)
+    assert result.returncode == 1 and (f"ClientError: {study / 'more'}: folder cannot be read (Permission denied)"
+                                       in result.stderr), result.stderr
