@@ -492,6 +492,20 @@ def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path,
                      capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("flag", ["-i", "-o", "-m"])
+def test_an_empty_path_flag_is_refused_and_touches_nothing(tmp_path, demo_study, flag):
+    """`-o ""` was the current folder: its seg.dcm was removed as an earlier run's, even when -i was wrong."""
+    (tmp_path / "seg.dcm").write_text("the user's own file")
+    paths = {"-i": str(demo_study[0]), "-o": str(tmp_path / "out"), "-m": str(DEMO_BUNDLE), flag: ""}
+    command = f"cd '{tmp_path}' && ulimit -s 32768; exec {sys.executable} {APP} " + " ".join(
+        f"{name} '{value}'" for name, value in paths.items())
+    completed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stderr.splitlines()[-1].endswith(": empty path; expected a folder"), completed.stderr
+    assert (tmp_path / "seg.dcm").read_text() == "the user's own file"
+    assert not (tmp_path / "out").exists()
+
+
 def test_reruns_into_an_output_folder_inside_the_input(tmp_path):
     """-o inside -i: the second run does not read the first one's results as input; an earlier run's
     labels.nii.gz does not stay beside a --no-nifti run's seg.dcm; -l ERROR silences the warnings; an unknown

@@ -102,11 +102,19 @@ class BundleSegApp(Application):
 _VERBOSITY = {"ERROR": -1, "WARNING": 0, "INFO": 1, "DEBUG": 2}  # -l: configure_logging's verbosity
 
 
+def _given_path(text: str) -> Path:
+    """A path flag's value. An empty one ('-o ""', an unset shell variable) would be the current folder, whose
+    seg.dcm and labels.nii.gz the run then removes: refused, as an empty HOLOSCAN_*_PATH is."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty path; expected a folder")
+    return Path(text)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="bundle_seg", description=__doc__.splitlines()[0])
-    parser.add_argument("-i", "--input", type=Path, help="DICOM folder (default: $HOLOSCAN_INPUT_PATH)")
-    parser.add_argument("-o", "--output", type=Path, help="output folder (default: $HOLOSCAN_OUTPUT_PATH)")
-    parser.add_argument("-m", "--model", type=Path, help="bundle folder (default: $HOLOSCAN_MODEL_PATH)")
+    parser.add_argument("-i", "--input", type=_given_path, help="DICOM folder (default: $HOLOSCAN_INPUT_PATH)")
+    parser.add_argument("-o", "--output", type=_given_path, help="output folder (default: $HOLOSCAN_OUTPUT_PATH)")
+    parser.add_argument("-m", "--model", type=_given_path, help="bundle folder (default: $HOLOSCAN_MODEL_PATH)")
     parser.add_argument("--rules", help="series selection rules: a JSON file or string (stock selector format)")
     parser.add_argument("--all-matched", action="store_true",
                         help="as the stock selector's all_matched: every series a selection matches, not the first")
