@@ -10,6 +10,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -22,7 +23,12 @@ FINAL = ("succeeded", "failed", "cancelled")
 
 
 class ClientError(MedserveError):
-    """The server refused or failed a request; the message is the server's own."""
+    """The server refused or failed a request (the message is the server's own, `status` its HTTP status), or
+    the request could not be made."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def cache_dir() -> Path:
@@ -96,6 +102,14 @@ class UploadKey:
 class Client:
     def __init__(self, url: str, token: str | None = None, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
+        try:
+            parsed = httpx.URL(self.url)
+        except httpx.InvalidURL as error:
+            raise ClientError(f"--url {url!r} is not a URL ({error}); expected http://HOST:PORT") from None
+        if parsed.scheme not in ("http", "https") or not parsed.host:
+            raise ClientError(f"--url {url!r}: expected http://HOST:PORT or https://HOST:PORT")
+        if token is not None and (not token.isascii() or not token.isprintable()):
+            raise ClientError("--token holds characters an HTTP header cannot carry; expected printable ASCII")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
 
@@ -106,7 +120,7 @@ class Client:
                 message = body.get("message") or body.get("error") or response.text
             except ValueError:
                 message = response.text[:300]
-            raise ClientError(f"server answered {response.status_code}: {message}")
+            raise ClientError(f"server answered {response.status_code}: {message}", response.status_code)
         return response
 
     def _unreachable(self, error: Exception) -> ClientError:
@@ -116,9 +130,15 @@ class Client:
         """One request; its JSON answer, or a ClientError for an error status or a server that cannot be reached
         (which the CLI prints as one line, not as httpx's traceback)."""
         try:
-            return self._check(self.http.request(method, path, **kwargs)).json()
+            response = self._check(self.http.request(method, path, **kwargs))
         except httpx.TransportError as error:
             raise self._unreachable(error) from error
+        try:
+            return response.json()
+        except ValueError:  # a redirect, or a server that is not medserve
+            raise ClientError(f"{method} {response.url} answered {response.status_code} with no JSON "
+                              f"({response.headers.get('content-type') or 'no content type'}); is {self.url} a "
+                              "medserve server?", response.status_code) from None
 
     def get(self, path: str, **params: Any) -> Any:
         return self._send("GET", path, params=params)
@@ -157,6 +177,15 @@ class Client:
                 raise ClientError(f"upload failed: {error}: {error.response_content!r}") from error
         raise ClientError("upload failed twice")
 
+    def check_model(self, name: str) -> None:
+        """A ClientError when the server has no model `name` (or refuses the name). A token without the admin
+        scope may not look models up: the job request then finds out."""
+        try:
+            self.get(f"/v1/models/{quote(name, safe='')}")
+        except ClientError as error:
+            if error.status != 403:
+                raise
+
     def submit(self, model: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
         headers = {"Idempotency-Key": key} if key else {}
         return self._send("POST", "/v1/jobs", params={"model": model}, json=body, headers=headers)
@@ -165,7 +194,7 @@ class Client:
              timeout: float = 24 * 3600, interval: float = 0.25) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:
-            job = self.get(f"/v1/jobs/{job_id}")
+            job = self.get(f"/v1/jobs/{quote(job_id, safe='')}")
             if on_update is not None:
                 on_update(job)
             if job["state"] in FINAL:
@@ -179,14 +208,18 @@ class Client:
         params = {"format": fmt} if fmt else {}
         partial = target.with_suffix(target.suffix + ".partial")
         try:
-            with self.http.stream("GET", f"/v1/jobs/{job_id}/result", params=params) as response:
+            with self.http.stream("GET", f"/v1/jobs/{quote(job_id, safe='')}/result", params=params) as response:
                 if response.status_code >= 400:
                     response.read()
                     self._check(response)
                 with open(partial, "wb") as out:
                     for block in response.iter_bytes(1024 * 1024):
                         out.write(block)
+            partial.replace(target)
         except httpx.TransportError as error:
             raise self._unreachable(error) from error
-        partial.replace(target)
+        except OSError as error:  # a full disk, a folder in the result's place
+            raise ClientError(f"{target}: cannot be written ({error.strerror or error})") from error
+        finally:  # whatever stopped it (Ctrl-C too), a partial download is not left beside the results
+            partial.unlink(missing_ok=True)
         return target

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from medserve.net import is_loopback
 from medserve.server.config import ServerConfig
@@ -156,14 +159,54 @@ def serve_command(args: argparse.Namespace) -> int:
 # ---- client commands ----------------------------------------------------------------------------------
 def infer_command(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-    from medserve.server.client import Client, ClientError, study_zip
+    from medserve.server.client import Client, ClientError
 
     console = Console(stderr=True)
     client = Client(args.url, args.token)
     if args.study_dir is None and not args.study:
         raise ClientError("give a STUDY_DIR or --study UID")
+    store_flags = [flag for flag, value in (("--study", args.study), ("--series", args.series),
+                                            ("--dicomweb", args.dicomweb), ("--writeback", args.writeback)) if value]
+    if args.study_dir is not None and store_flags:
+        raise ClientError(f"{', '.join(store_flags)}: for a study in the DICOM store (--study UID); with a "
+                          "STUDY_DIR to upload, give none of them")
+    target = args.output / ("labels.nii.gz" if args.format == "nifti" else "seg.dcm")
+    created = _writable_output(args.output, target)  # before the upload and the job, which take minutes
+    try:
+        return _infer(args, client, console, target)
+    except BaseException:
+        for folder in created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _writable_output(folder: Path, target: Path) -> list[Path]:
+    """Make the output folder (the folders made are returned, deepest first) and check that the result can be
+    written there; a ClientError naming the folder otherwise."""
+    from medserve.server.client import ClientError
+
+    if folder.exists() and not folder.is_dir():
+        raise ClientError(f"output folder {folder} is a file; expected a folder")
+    created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()  # writable by us, whatever the permission bits say
+    except OSError as error:
+        raise ClientError(f"output folder {folder}: cannot be {'written to' if folder.is_dir() else 'created'} "
+                          f"({error.strerror or error}); expected a folder we can write to") from error
+    if target.is_dir():
+        raise ClientError(f"{target} is a folder; expected the result's file name to be free")
+    return created
+
+
+def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from medserve.server.client import ClientError, study_zip
+
+    client.check_model(args.name)  # before a study of many MB goes up
     if args.study_dir is not None:
         if not args.study_dir.is_dir():
             raise ClientError(f"{args.study_dir} is not a folder")
@@ -197,7 +240,7 @@ def infer_command(args: argparse.Namespace) -> int:
     if job["state"] != "succeeded":
         raise ClientError(f"job {job['id']} {job['state']}: {job.get('error')}")
     fmt = args.format or ("seg" if "seg" in job["outputs"] else "nifti")
-    target = args.output / ("seg.dcm" if fmt == "seg" else "labels.nii.gz")
+    target = target.with_name("seg.dcm" if fmt == "seg" else "labels.nii.gz")
     client.download(job["id"], target, fmt)
     console.print(f"[green]done[/green] job {job['id']} -> {target}")
     if job.get("segments"):
@@ -264,10 +307,13 @@ def job_command(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from medserve.server.client import Client
+    from medserve.server.client import Client, ClientError
 
     client = Client(args.url, args.token)
-    job = client.delete(f"/v1/jobs/{args.job_id}") if args.cancel else client.get(f"/v1/jobs/{args.job_id}")
+    if not args.job_id.strip():
+        raise ClientError("empty job id; expected one that `medserve jobs` lists")
+    path = f"/v1/jobs/{quote(args.job_id, safe='')}"  # '../models' stays one path segment
+    job = client.delete(path) if args.cancel else client.get(path)
     table = Table(title=f"job {job['id']}", show_header=False)
     table.add_column("field")
     table.add_column("value")

@@ -62,6 +62,42 @@ def test_infer_resumes_upload_and_tables(make_server, demo_study: Path, tmp_path
     assert missing.returncode == 2 and "nope" in missing.stderr
 
 
+def test_infer_checks_what_it_can_before_the_upload(make_server, tmp_path: Path) -> None:
+    """An unknown model, an output place that cannot take the result and flags that do not go with a STUDY_DIR
+    are refused before the study goes up (a bad -o was a traceback after the whole job; --writeback was dropped
+    silently); job ids stay one path segment; a bad --url or --token is one error line, not a traceback."""
+    from tests.server.conftest import small_study
+
+    server = make_server()
+    add_bundle(server.config.store, "demo")
+    server.store.wait_until("demo", ("loaded",), 60)
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    env = {**os.environ, "MEDSERVE_CACHE": str(tmp_path / "cache")}
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "seg.dcm").mkdir()
+    (tmp_path / "a-file").write_text("x")
+    url = ["--url", server.url]
+    for args, expected in (
+            (["infer", "nope", str(study), "-o", str(tmp_path / "o1"), *url], "server answered 404: no model 'nope'"),
+            (["infer", "demo", str(study), "-o", str(tmp_path / "a-file"), *url],
+             f"output folder {tmp_path / 'a-file'} is a file; expected a folder"),
+            (["infer", "demo", str(study), "-o", str(tmp_path / "taken"), *url],
+             f"{tmp_path / 'taken' / 'seg.dcm'} is a folder; expected the result's file name to be free"),
+            (["infer", "demo", str(study), "--writeback", "--series", "1.2", *url],
+             "--series, --writeback: for a study in the DICOM store (--study UID); with a STUDY_DIR to upload, "
+             "give none of them"),
+            (["job", "../models", *url], "server answered 404: Not Found: GET /v1/jobs/../models"),  # not /models
+            (["job", "", *url], "empty job id; expected one that `medserve jobs` lists"),
+            (["models", "--url", "http://[::1"], "--url 'http://[::1' is not a URL"),
+            (["models", "--url", "localhost:8000"], "--url 'localhost:8000': expected http://HOST:PORT"),
+            (["models", "--token", "t\u00f6ken", *url], "--token holds characters an HTTP header cannot carry")):
+        proc = _cli(*args, env=env)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(f"error: {expected}"), (
+            args, proc.stderr[-2000:])
+    assert not list(server.config.uploads_dir.glob("*.bin"))  # nothing went up
+    assert not (tmp_path / "o1").exists()  # the output folder made for the refused run is gone again
+
+
 def test_serve_refuses_public_address_without_tokens(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "medserve.cli", "serve", "--host", "0.0.0.0", "--store",
                            str(tmp_path), "--data-dir", str(tmp_path / "d")], capture_output=True, text=True,
