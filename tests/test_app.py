@@ -492,6 +492,24 @@ def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path,
                      capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("unreadable", [".", "configs"])
+def test_a_bundle_folder_that_cannot_be_read_is_refused_as_the_users(tmp_path, demo_study, unreadable):
+    """It was 'internal error in the application: PermissionError' (exit 1) from the SDK's look at the folder."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(DEMO_BUNDLE, bundle)
+    (bundle / unreadable).chmod(0)
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+    try:
+        completed = subprocess.run([*drop, "bash", "-c", f"ulimit -s 32768; exec {sys.executable} {APP} -i "
+                                    f"'{demo_study[0]}' -o '{tmp_path / 'out'}' -m '{bundle}'"],
+                                   capture_output=True, text=True, timeout=120)
+    finally:
+        (bundle / unreadable).chmod(0o755)
+    assert completed.returncode == 2, completed.stderr
+    assert re.fullmatch(rf"error: model path {bundle}(/configs)?: cannot be read \(Permission denied\); expected a "
+                        r"bundle folder we can read", completed.stderr.strip().splitlines()[-1]), completed.stderr
+
+
 @pytest.mark.parametrize("flag", ["-i", "-o", "-m"])
 def test_an_empty_path_flag_is_refused_and_touches_nothing(tmp_path, demo_study, flag):
     """`-o ""` was the current folder: its seg.dcm was removed as an earlier run's, even when -i was wrong."""

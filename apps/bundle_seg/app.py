@@ -188,6 +188,15 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
             return f"no {name} path: pass --{name} or set {_PATH_VARIABLES[name]}"
     if not Path(os.environ["HOLOSCAN_INPUT_PATH"]).exists():
         return f"input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist"
+    try:  # before the SDK's own look at the model path, which raised PermissionError as an internal error
+        bundle = resolve_bundle(Path(os.environ["HOLOSCAN_MODEL_PATH"]))
+        for folder in (bundle, bundle / "configs"):
+            os.listdir(folder)
+    except BundleError as error:
+        return str(error)
+    except OSError as error:
+        return (f"model path {error.filename}: cannot be read ({error.strerror or error}); expected a bundle folder "
+                "we can read")
     return None
 
 
