@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +35,13 @@ def _at_least(lowest: float, kind: type = float) -> Any:
             raise argparse.ArgumentTypeError(f"expected at least {lowest}, not {text}")
         return value
     return parse
+
+
+def _port(text: str) -> int:
+    value = _at_least(0, int)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 0 to 65535, not {text}")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -65,7 +73,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the model server on a bundle store")
     serve.add_argument("--store", type=Path, default=Path("bundles"), help="bundle store folder (default bundles/)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     serve.add_argument("--data-dir", type=Path, default=Path(".medserve"), help="jobs, uploads (default .medserve/)")
     serve.add_argument("--tokens", type=Path, help="bearer tokens file: one 'TOKEN SCOPE[,SCOPE]' per line")
     serve.add_argument("--insecure", action="store_true", help="allow a non-loopback address without tokens")
@@ -149,11 +157,27 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: refusing to listen on {config.host} without tokens (--tokens FILE or MEDSERVE_TOKENS); "
               "pass --insecure to do it anyway", file=sys.stderr)
         return 2
+    if not config.store.exists():
+        log.warning("store %s does not exist; it is created empty: drop bundle folders into it", config.store)
+    try:  # before the data dir is taken: uvicorn would say it after 'serving', and exit 3 with no error line
+        _check_can_listen(config.host, config.port)
+    except OSError as error:
+        print(f"error: cannot listen on {config.host}:{config.port} ({error.strerror or error})", file=sys.stderr)
+        return 2
     app = create_app(config)
     print(f"medserve serving {config.store}/ on http://{config.host}:{config.port} (data in {config.data_dir}/)",
           file=sys.stderr)
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind the address as uvicorn will (SO_REUSEADDR), and let it go: OSError when it is taken or not ours."""
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+        return
 
 
 # ---- client commands ----------------------------------------------------------------------------------

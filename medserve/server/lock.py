@@ -24,6 +24,10 @@ class DataDirInUse(MedserveError):
     """Another running server holds the data dir."""
 
 
+class UnusableDataDir(MedserveError):
+    """The data dir cannot be made or written (a file in its place, a read-only file system)."""
+
+
 class ForeignDataDir(MedserveError):
     """The data dir holds files that a server did not write, and no job database: not a medserve data dir."""
 
@@ -32,9 +36,15 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     """An exclusive flock on `data_dir/serve.lock`, held until the returned file is closed. The kernel drops it
     when the process dies, so a killed server leaves no stale lock behind. The file holds the holder's pid, for
     the refusal's message. ForeignDataDir when the folder is someone else's."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise UnusableDataDir(f"data dir {data_dir} is a file; expected a folder (new, or one a server wrote)")
     _refuse_foreign(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(data_dir / LOCK_FILE, "a+")  # not "w": that would erase the holder's pid before we know
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(data_dir / LOCK_FILE, "a+")  # not "w": that would erase the holder's pid before we know
+    except OSError as error:
+        raise UnusableDataDir(f"data dir {data_dir}: cannot be {'written to' if data_dir.is_dir() else 'created'} "
+                              f"({error.strerror or error}); expected a folder we can write to") from error
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,6 +104,34 @@ def test_serve_refuses_public_address_without_tokens(tmp_path: Path) -> None:
                            str(tmp_path), "--data-dir", str(tmp_path / "d")], capture_output=True, text=True,
                           timeout=120, env={k: v for k, v in os.environ.items() if k != "MEDSERVE_TOKENS"})
     assert proc.returncode == 2 and "--insecure" in proc.stderr
+
+
+def test_serve_refuses_a_port_or_data_dir_it_cannot_use_in_one_line(tmp_path: Path) -> None:
+    """--port 70000 was an OverflowError, a data dir it could not make a traceback, a port in use uvicorn's own
+    message after 'serving' (exit 3); a store that does not exist is made, with a warning."""
+    (tmp_path / "a-file").write_text("x")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = str(taken.getsockname()[1])
+    store = ["--store", str(tmp_path / "store")]
+    try:
+        for args, expected in (
+                (["--port", "70000"], "medserve serve: error: argument --port: expected a TCP port, 0 to 65535, not "
+                                      "70000"),
+                (["--data-dir", str(tmp_path / "a-file")], f"error: data dir {tmp_path / 'a-file'} is a file; "
+                                                           "expected a folder"),
+                (["--data-dir", str(tmp_path / "a-file" / "d")], f"error: data dir {tmp_path / 'a-file' / 'd'}: "
+                                                                 "cannot be created (Not a directory)"),
+                (["--port", port, "--data-dir", str(tmp_path / "d")],
+                 f"error: cannot listen on 127.0.0.1:{port} (Address already in use)")):
+            proc = _cli("serve", *store, *args, env=dict(os.environ))
+            assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(expected), (
+                args, proc.stderr[-2000:])
+            assert "Traceback" not in proc.stderr
+    finally:
+        taken.close()
+    assert f"store {tmp_path / 'store'} does not exist; it is created empty" in proc.stderr
 
 
 @pytest.mark.parametrize(("flag", "value", "expected"), [
