@@ -20,10 +20,11 @@ def _package(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from medserve.packaging.build import PackageRequest, package
-    from medserve.packaging.registry import push, push_destination
+    from medserve.packaging.registry import image_name, push, push_destination
 
-    if args.push:
-        push_destination(args.push)  # before minutes of building, not after
+    image_name(args.tag)  # before minutes of building, not after; so is the push destination
+    if args.push is not None:
+        push_destination(args.push)
     request = PackageRequest(
         application=args.application, config=args.config, tag=args.tag, models=args.models,
         platform=args.platform, base_image=args.base_image, builder=args.builder, wheel_dir=args.wheel_dir,

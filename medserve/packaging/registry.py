@@ -117,17 +117,28 @@ def push_destination(reference: str) -> tuple[str, str]:
     """`registry_reference` of a push destination whose repository and tag the registry will take (checked before
     a build that would push, so that it fails at once rather than after the build)."""
     host, reference = registry_reference(reference)
-    expected = "expected HOST[:PORT]/REPO[:TAG] with a lowercase REPO"
-    if "@" in reference:
-        raise PackagingError(f"push destination {reference!r} names a digest, which cannot be pushed to; {expected}")
-    repository, has_tag, tag = reference[len(host) + 1:].partition(":")
-    if not _PUSH_REPOSITORY.match(repository):
-        raise PackagingError(f"push destination {reference!r}: repository {repository!r} is not a valid name "
-                             f"(lowercase letters, digits and . _ - separators, / between parts); {expected}")
-    if has_tag and not _TAG.match(tag):
-        raise PackagingError(f"push destination {reference!r}: tag {tag!r} is not valid (up to 128 letters, "
-                             f"digits, '_', '.', '-', not starting with '.' or '-'); {expected}")
+    _check_name(reference, host, "push destination", "expected HOST[:PORT]/REPO[:TAG] with a lowercase REPO")
     return host, reference
+
+
+def image_name(reference: str) -> str:
+    """A name to tag a built image with, [HOST[:PORT]/]REPO[:TAG], checked before the build (the engine would
+    refuse it only after minutes of building)."""
+    _check_name(reference, engine.registry_host(reference), "image name",
+                "expected [HOST[:PORT]/]REPO[:TAG] with a lowercase REPO, such as ghcr.io/org/app:1.0")
+    return reference
+
+
+def _check_name(reference: str, host: str | None, what: str, expected: str) -> None:
+    if "@" in reference:
+        raise PackagingError(f"{what} {reference!r} names a digest, which cannot be pushed to or tagged; {expected}")
+    repository, has_tag, tag = reference[len(host) + 1 if host else 0:].partition(":")
+    if not _PUSH_REPOSITORY.match(repository):
+        raise PackagingError(f"{what} {reference!r}: repository {repository!r} is not a valid name (lowercase "
+                             f"letters, digits and . _ - separators, / between parts); {expected}")
+    if has_tag and not _TAG.match(tag):
+        raise PackagingError(f"{what} {reference!r}: tag {tag!r} is not valid (up to 128 letters, digits, '_', "
+                             f"'.', '-', not starting with '.' or '-'); {expected}")
 
 
 def _missing_credentials() -> str:

@@ -466,6 +466,13 @@ PUSH_CASES = {
     "push to an uppercase repository": ("127.0.0.1:5999/Review/X:1", "repository 'Review/X' is not a valid name"),
     "push to a digest": ("ghcr.io/org/seg@sha256:" + "0" * 64, "names a digest, which cannot be pushed to"),
     "push with a bad tag": ("ghcr.io/org/seg:.1", "tag '.1' is not valid"),
+    "push to nowhere": ("", "push destination '' must name a registry"),  # was taken as no push
+}
+TAG_CASES = {  # -t was not checked: the engine would refuse it after the build
+    "uppercase name": ("UPPER:case", "image name 'UPPER:case': repository 'UPPER' is not a valid name"),
+    "name with a space": ("a b", "image name 'a b': repository 'a b' is not a valid name"),
+    "tag without a name": (":x", "image name ':x': repository '' is not a valid name"),
+    "bad tag": ("ghcr.io/org/seg:-1", "image name 'ghcr.io/org/seg:-1': tag '-1' is not valid"),
 }
 USER_CASES = {"uid 0": (["--uid", "0"], "--uid 0: expected a number from 1 to 65533"),
               "negative gid": (["--gid", "-5"], "--gid -5: expected a number from 1 to 65533"),
@@ -478,7 +485,7 @@ USER_CASES = {"uid 0": (["--uid", "0"], "--uid 0: expected a number from 1 to 65
 
 
 @pytest.mark.parametrize("case", ["latin-1 app.yaml", "latin-1 requirements", "symlink loop", "models not a folder",
-                                  *PUSH_CASES, *USER_CASES])
+                                  *PUSH_CASES, *USER_CASES, *TAG_CASES])
 def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: str, capsys: pytest.CaptureFixture,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused before any build, in one line naming the file; --push's destination is checked before the build
@@ -492,7 +499,7 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
                 "latin-1 requirements": f"{app / 'requirements.txt'}: cannot be read as text",
                 "symlink loop": f"{app / 'up'} is a symlink back up the tree it is in (a loop)",
                 "models not a folder": "models path /dev/null is neither a file nor a folder",
-                **{name: message for name, (_, message) in {**PUSH_CASES, **USER_CASES}.items()}}[case]
+                **{name: message for name, (_, message) in {**PUSH_CASES, **USER_CASES, **TAG_CASES}.items()}}[case]
     if case == "latin-1 app.yaml":
         config.write_bytes(config.read_bytes() + "# Résumé\n".encode("latin-1"))
     elif case == "latin-1 requirements":
@@ -504,6 +511,9 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
         args += ["-m", "/dev/null"]
     elif case in USER_CASES:
         args += USER_CASES[case][0]
+    elif case in TAG_CASES:
+        args[args.index("x:1")] = TAG_CASES[case][0]
+        monkeypatch.setattr(build, "package", lambda *a, **k: pytest.fail("built before the name was checked"))
     else:
         args += ["--push", PUSH_CASES[case][0]]
         monkeypatch.setattr(build, "package", lambda *a, **k: pytest.fail("built before the destination was checked"))
