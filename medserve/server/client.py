@@ -32,8 +32,13 @@ class ClientError(MedserveError):
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("MEDSERVE_CACHE", Path.home() / ".cache" / "medserve"))
-    root.mkdir(parents=True, exist_ok=True)
+    """$MEDSERVE_CACHE (an empty one counts as unset, not as the current folder), else ~/.cache/medserve."""
+    root = Path(os.environ.get("MEDSERVE_CACHE") or Path.home() / ".cache" / "medserve")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ClientError(f"cache folder {root} (MEDSERVE_CACHE): cannot be created ({error.strerror or error}); "
+                          "expected a folder we can write to") from error
     return root
 
 
@@ -67,15 +72,21 @@ def study_zip(study_dir: Path) -> Path:
     target = cache_dir() / "zips" / f"{key.hexdigest()[:32]}.zip"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(".partial")
-    with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for path in files:
-            info = zipfile.ZipInfo(path.relative_to(study_dir).as_posix(), date_time=(1980, 1, 1, 0, 0, 0))
-            with open(path, "rb") as src, zf.open(info, "w", force_zip64=True) as out:
-                while block := src.read(1024 * 1024):
-                    out.write(block)
-    partial.replace(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+            for path in files:
+                info = zipfile.ZipInfo(path.relative_to(study_dir).as_posix(), date_time=(1980, 1, 1, 0, 0, 0))
+                with open(path, "rb") as src, zf.open(info, "w", force_zip64=True) as out:
+                    while block := src.read(1024 * 1024):
+                        out.write(block)
+        partial.replace(target)
+    except OSError as error:  # the cache full or read-only; a study file that went away meanwhile
+        raise ClientError(f"{error.filename or partial}: cannot zip the study into the cache "
+                          f"({error.strerror or error}); MEDSERVE_CACHE names another cache folder") from error
+    finally:
+        partial.unlink(missing_ok=True)
     return target
 
 

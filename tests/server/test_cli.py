@@ -300,3 +300,18 @@ def test_the_study_zip_holds_what_the_app_reads(tmp_path: Path, monkeypatch) -> 
         (tmp_path / "elsewhere").chmod(0o755)
     assert result.returncode == 1 and (f"ClientError: {study / 'more'}: folder cannot be read (Permission denied)"
                                        in result.stderr), result.stderr
+
+
+def test_the_client_cache_is_checked_and_an_empty_setting_is_unset(tmp_path: Path, monkeypatch) -> None:
+    """MEDSERVE_CACHE on a file was a traceback; an empty one put zips/ and tus-urls.json in the current folder."""
+    from medserve.server.client import ClientError, cache_dir
+
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("MEDSERVE_CACHE", str(tmp_path / "a-file"))
+    with pytest.raises(ClientError, match=rf"^cache folder {tmp_path / 'a-file'} \(MEDSERVE_CACHE\): cannot be "
+                                          r"created \(File exists\)"):
+        cache_dir()
+    monkeypatch.setenv("MEDSERVE_CACHE", "")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "medserve"
