@@ -110,6 +110,13 @@ def _check_fragments(fragments: Any, path: Path) -> None:
                 _check_size(value, f"{path}: resources.fragments.{name}.{key}")
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """The parser's problem and where, on one line (its own text quotes the line with a caret under it)."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
+
+
 def read_app_config(path: Path, version_override: str | None = None) -> AppConfig:
     """Parse and validate app.yaml; every error names the file and the field."""
     path = Path(path)
@@ -118,7 +125,7 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as error:
-        raise PackagingError(f"{path}: not valid YAML: {error}") from error
+        raise PackagingError(f"{path}: not valid YAML: {_yaml_problem(error)}") from error
     except (UnicodeDecodeError, OSError) as error:
         raise PackagingError(f"{path}: cannot be read as text ({error}); expected a UTF-8 YAML file") from error
     if not isinstance(data, dict):

@@ -89,6 +89,9 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
         ({"application": {"title": "T", "version": "1", "input-formats": "file"}, "resources": {}},
          "application.input-formats must be a list"),
         ("application: [unclosed", "not valid YAML"),
+        # One line: the parser's own text quotes the line with a caret under it.
+        ("application:\n  title: x\n   bad: [\n", "not valid YAML: mapping values are not allowed here (line 3, "
+                                                  "column 7)"),
         ("application: {title: T, version: 1.10}\nresources: {}\n",
          'application.version 1.1 was read by YAML as a number (1.10 becomes 1.1); quote it'),
     ],
@@ -98,7 +101,7 @@ def test_bad_app_yaml_names_file_and_field(tmp_path: Path, data: object, message
     with pytest.raises(PackagingError) as error:
         read_app_config(path)
     assert message in str(error.value)
-    assert str(path) in str(error.value)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
     assert isinstance(error.value, MedserveError)
 
 
