@@ -128,9 +128,12 @@ class Client:
         if response.status_code >= 400:
             try:
                 body = response.json()
-                message = body.get("message") or body.get("error") or response.text
             except ValueError:
-                message = response.text[:300]
+                body = None
+            if isinstance(body, dict) and (body.get("message") or body.get("error")):
+                message = str(body.get("message") or body.get("error"))
+            else:  # not medserve's error shape: a proxy's HTML page, say; one short line of it
+                message = " ".join(response.text.split())[:200] or "(empty body)"
             raise ClientError(f"server answered {response.status_code}: {message}", response.status_code)
         return response
 

@@ -315,3 +315,36 @@ def test_the_client_cache_is_checked_and_an_empty_setting_is_unset(tmp_path: Pat
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
     assert cache_dir() == tmp_path / "home" / ".cache" / "medserve"
+
+
+@pytest.mark.parametrize(("status", "body", "expected"), [
+    (404, b"<html>\n<body>\n<h1>Not Found</h1>\n" + b"<p>padding</p>\n" * 200 + b"</body></html>",
+     "server answered 404: <html> <body> <h1>Not Found</h1> <p>padding</p>"),
+    (400, b"[1, 2]", "server answered 400: [1, 2]"),  # JSON, but not medserve's shape: was an AttributeError
+    (200, b"plain text", "answered 200 with no JSON (text/html); is http://127.0.0.1:"),  # was a JSONDecodeError
+])
+def test_a_server_that_is_not_medserve_is_one_short_error_line(status: int, body: bytes, expected: str) -> None:
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = _cli("models", "--url", f"http://127.0.0.1:{server.server_address[1]}", env=dict(os.environ))
+    finally:
+        server.shutdown()
+        server.server_close()
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and len(lines[0]) < 300, proc.stderr[-1000:]
+    assert expected in lines[0], lines
