@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt as error:
         stop = signal.Signals(getattr(error, "signum", signal.SIGINT))
-        print(f"interrupted by {stop.name}", file=sys.stderr)
+        print(f"error: interrupted by {stop.name}", file=sys.stderr)  # one error line, as the app's
         return 128 + stop
 
 

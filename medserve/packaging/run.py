@@ -275,7 +275,8 @@ def prepare(request: RunRequest) -> list[str]:
     image is known to be a MAP."""
     tool = engine.pick(request.engine, "podman")
     if request.input is not None and not request.input.is_dir():
-        raise PackagingError(f"input folder not found: {request.input}")
+        raise PackagingError(f"input folder {request.input} "
+                             f"{'is not a folder' if request.input.exists() else 'does not exist'}")
     if request.config is not None and not request.config.is_file():
         raise PackagingError(f"--config {request.config}: not a file")
     for flag, path in (("-i", request.input), ("-o", request.output), ("--config", request.config)):

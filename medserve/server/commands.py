@@ -233,7 +233,8 @@ def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) ->
     client.check_model(args.name)  # before a study of many MB goes up
     if args.study_dir is not None:
         if not args.study_dir.is_dir():
-            raise ClientError(f"{args.study_dir} is not a folder")
+            raise ClientError(f"{args.study_dir} {'is not a folder' if args.study_dir.exists() else 'does not exist'}; "
+                              "expected the folder of the study's DICOM files")
         archive = study_zip(args.study_dir)
         columns = (TextColumn("upload"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=False) as bar:

@@ -192,7 +192,7 @@ def test_an_interrupted_run_removes_its_container(toy_image: str, tmp_path: Path
         for name in containers():
             podman("rm", "--force", "--time", "0", name)
     assert process.returncode == 128 + stop, err
-    assert f"interrupted by {stop.name}" in err
+    assert f"error: interrupted by {stop.name}" in err
     assert left == []
 
 
@@ -215,7 +215,7 @@ def test_user_setup_with_a_uid_1000_user_in_the_base(base_image: str) -> None:
 
 def test_cli_run_missing_input(toy_image: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert cli_main(["run", toy_image, "-i", str(tmp_path / "absent"), "-o", str(tmp_path / "out")]) == 2
-    assert "input folder not found" in capsys.readouterr().err
+    assert f"error: input folder {tmp_path / 'absent'} does not exist" in capsys.readouterr().err
 
 
 def test_rebuild_reuses_dependency_layer(toy_image: str, toy: dict[str, Path], base_image: str) -> None:

@@ -87,6 +87,8 @@ def test_infer_checks_what_it_can_before_the_upload(make_server, tmp_path: Path)
             (["infer", "demo", str(study), "--writeback", "--series", "1.2", *url],
              "--series, --writeback: for a study in the DICOM store (--study UID); with a STUDY_DIR to upload, "
              "give none of them"),
+            (["infer", "demo", str(tmp_path / "absent"), "-o", str(tmp_path / "o1"), *url],
+             f"{tmp_path / 'absent'} does not exist; expected the folder of the study's DICOM files"),
             (["job", "../models", *url], "server answered 404: Not Found: GET /v1/jobs/../models"),  # not /models
             (["job", "", *url], "empty job id; expected one that `medserve jobs` lists"),
             (["models", "--url", "http://[::1"], "--url 'http://[::1' is not a URL"),
