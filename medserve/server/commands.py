@@ -150,6 +150,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from medserve.server.app import create_app
     from medserve.server.auth import load_tokens
+    from medserve.server.lock import lock_data_dir
 
     config = config_from_args(args)
     tokens = load_tokens(config.tokens_file)
@@ -159,7 +160,10 @@ def serve_command(args: argparse.Namespace) -> int:
         return 2
     if not config.store.exists():
         log.warning("store %s does not exist; it is created empty: drop bundle folders into it", config.store)
-    try:  # before the data dir is taken: uvicorn would say it after 'serving', and exit 3 with no error line
+    # A data dir in use (the likelier reason for a port in use: a second server) or unusable is said first, and
+    # only a lock taken and given back: nothing in it is touched before the port is known to be free.
+    lock_data_dir(config.data_dir).close()
+    try:  # uvicorn would say it after 'serving', and exit 3 with no error line
         _check_can_listen(config.host, config.port)
     except OSError as error:
         print(f"error: cannot listen on {config.host}:{config.port} ({error.strerror or error})", file=sys.stderr)
