@@ -199,6 +199,9 @@ def infer_command(args: argparse.Namespace) -> int:
     if args.study_dir is not None and store_flags:
         raise ClientError(f"{', '.join(store_flags)}: for a study in the DICOM store (--study UID); with a "
                           "STUDY_DIR to upload, give none of them")
+    if args.study_dir is not None and not args.study_dir.is_dir():
+        raise ClientError(f"{args.study_dir} {'is not a folder' if args.study_dir.exists() else 'does not exist'}; "
+                          "expected the folder of the study's DICOM files")
     target = args.output / ("labels.nii.gz" if args.format == "nifti" else "seg.dcm")
     created = _writable_output(args.output, target)  # before the upload and the job, which take minutes
     try:
@@ -236,9 +239,6 @@ def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) ->
 
     client.check_model(args.name)  # before a study of many MB goes up
     if args.study_dir is not None:
-        if not args.study_dir.is_dir():
-            raise ClientError(f"{args.study_dir} {'is not a folder' if args.study_dir.exists() else 'does not exist'}; "
-                              "expected the folder of the study's DICOM files")
         archive = study_zip(args.study_dir)
         columns = (TextColumn("upload"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=False) as bar:
