@@ -217,6 +217,12 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         if not uid_value(dataset, "SOPInstanceUID"):
             # Every result references its source images by this UID (a SEG cannot be written without it).
             raise DicomInputError(f"{path}: SOPInstanceUID is missing; every DICOM image must have one")
+        if (instance.pixel_data_offset is None and _pixel_data_offset_is_known(instance)
+                and _has_image_class(dataset)):
+            # A file cut before its pixels, perhaps inside a UID: alone in a "series" of its own, it would
+            # otherwise be left out of the volume without a word.
+            raise DicomInputError(f"{path}: corrupt or truncated DICOM file: no Pixel Data, which every "
+                                  f"{_sop_class_name(dataset)} object holds")
         series = series_by_uid.get((study_uid, series_uid))
         if series is None:
             series = series_by_uid[study_uid, series_uid] = Series(study_uid=study_uid, series_uid=series_uid)
@@ -238,8 +244,21 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
 def _is_image(instance: Instance) -> bool:
     """Whether a file holds, or by its SOP class should hold, an image. Objects of other classes may lack study
     and series (a Color Palette, a Hanging Protocol): the stock loader skips them, and so do we."""
-    sop_class = _sop_class(instance.dataset)
-    return instance.pixel_data_offset is not None or sop_class is None or "Image Storage" in sop_class.name
+    return (instance.pixel_data_offset is not None or _sop_class(instance.dataset) is None
+            or _has_image_class(instance.dataset))
+
+
+def _pixel_data_offset_is_known(instance: Instance) -> bool:
+    """Whether reading the header finds the Pixel Data element where the file has one: not in a deflated body
+    (read inflated), a big-endian one (its tag reads otherwise) or a file read with force."""
+    syntax = UID(uid_value(getattr(instance.dataset, "file_meta", Dataset()), "TransferSyntaxUID") or "")
+    return (not instance.without_preamble and syntax.is_transfer_syntax and syntax.is_little_endian
+            and not syntax.is_deflated)
+
+
+def _has_image_class(dataset: Dataset) -> bool:
+    sop_class = _sop_class(dataset)
+    return sop_class is not None and "Image Storage" in sop_class.name
 
 
 def _sop_class(dataset: Dataset) -> UID | None:
