@@ -276,6 +276,30 @@ def test_an_enhanced_image_whose_spacing_changes_along_the_stack_is_refused(tmp_
     assert str(refused.value).count("does not form a regular volume") == 1
 
 
+def _fewer_frames(dataset):
+    dataset.NumberOfFrames = dataset.NumberOfFrames // 2
+
+
+def _one_more_frame_of_pixels(dataset):
+    dataset.PixelData += dataset.PixelData[:dataset.Rows * dataset.Columns * 2]
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_fewer_frames, r"NumberOfFrames is (\d+) but PerFrameFunctionalGroupsSequence has \d+ items; expected one item "
+                    r"per frame"),
+    (_one_more_frame_of_pixels, r"pixel data holds (\d+) frames of Rows x Columns x BitsAllocated/8 = \d+ bytes; "
+                                r"NumberOfFrames says \d+"),
+], ids=["number-of-frames-halved", "a-frame-of-pixels-too-many"])
+def test_an_enhanced_image_whose_frame_count_does_not_add_up_is_refused(tmp_path, phantom, edit, message):
+    """highdicom read NumberOfFrames frames and dropped the rest: half the slices segmented, exit 0."""
+    path = _enhanced_of(write_ct_series(phantom.hu, tmp_path / "single").paths[0].parent, tmp_path / "multi")
+    dataset = pydicom.dcmread(path / "enhanced.dcm")
+    edit(dataset)
+    dataset.save_as(path / "enhanced.dcm")
+    with pytest.raises(VolumeError, match=r"enhanced.dcm: " + message):
+        series_to_volume(index_folder(path).all_series[0])
+
+
 def test_a_series_of_several_multiframe_objects_is_refused_with_the_reason(tmp_path, phantom):
     single = tmp_path / "single"
     write_ct_series(phantom.hu, single)

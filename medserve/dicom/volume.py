@@ -26,7 +26,7 @@ import pydicom
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
 from medserve.dicom.pixels import check_first_frame_length, read_slices
-from medserve.dicom.values import decimal_values, integer_value, stored_bytes, uid_value
+from medserve.dicom.values import decimal_values, integer_value, number_of_frames, stored_bytes, uid_value
 from medserve.errors import VolumeError
 
 log = logging.getLogger("medserve.dicom.volume")
@@ -447,6 +447,23 @@ def _optional_decimals(dataset: pydicom.Dataset, keyword: str) -> tuple[float, .
         return None  # unreadable text counts as absent: the spacing has a fallback
 
 
+def _check_frame_count(dataset: pydicom.Dataset, path: Path) -> None:
+    """Refuse a NumberOfFrames that the per-frame functional groups or the uncompressed pixel data do not bear
+    out: highdicom reads that many frames and drops the rest (20 of 40 slices, without a word)."""
+    frames = number_of_frames(dataset)
+    per_frame = dataset.get("PerFrameFunctionalGroupsSequence")
+    if per_frame is not None and len(per_frame) != frames:
+        raise VolumeError(f"{path}: NumberOfFrames is {frames} but PerFrameFunctionalGroupsSequence has "
+                          f"{len(per_frame)} items; expected one item per frame")
+    pixels = dataset.get("PixelData")
+    syntax = pydicom.uid.UID(uid_value(getattr(dataset, "file_meta", pydicom.Dataset()), "TransferSyntaxUID") or "")
+    if isinstance(pixels, bytes) and syntax.is_transfer_syntax and not syntax.is_compressed:
+        frame_bytes = int(dataset.Rows) * int(dataset.Columns) * int(dataset.BitsAllocated) // 8
+        if frame_bytes and len(pixels) // frame_bytes != frames:
+            raise VolumeError(f"{path}: pixel data holds {len(pixels) // frame_bytes} frames of Rows x Columns "
+                              f"x BitsAllocated/8 = {frame_bytes} bytes; NumberOfFrames says {frames}")
+
+
 def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Volume:
     """Enhanced CT/MR: highdicom reads per-frame functional groups and applies the modality transform only, as
     for single-frame slices: not a Real World Value Mapping (which Enhanced MR often carries, in other units than
@@ -455,6 +472,7 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
         dataset = read_dataset(instance)  # also a file written without the preamble
     except Exception as error:  # pydicom raises assorted types on damaged files
         raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
+    _check_frame_count(dataset, instance.path)
     atol = _multiframe_atol(dataset, str(instance.path), tolerance)
     try:
         image = hd.Image.from_dataset(dataset, copy=False)
