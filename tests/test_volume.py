@@ -19,7 +19,7 @@ from pydicom.pixels import apply_modality_lut
 from pydicom.filebase import DicomFileLike
 from pydicom.filewriter import write_dataset, write_file_meta_info
 from pydicom.uid import (DeflatedExplicitVRLittleEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
-                         JPEG2000Lossless, RLELossless)
+                         JPEG2000Lossless, JPEGLSLossless, RLELossless)
 
 import medserve.dicom.index as index_module
 from medserve.demo.phantom import make_phantom
@@ -105,6 +105,19 @@ def test_compressed_series_decode_to_the_same_volume(tmp_path, phantom, syntax):
     write_ct_series(phantom.hu, tmp_path, transfer_syntax=syntax)
     assert pydicom.dcmread(next(tmp_path.iterdir())).file_meta.TransferSyntaxUID == syntax
     np.testing.assert_allclose(volume_of(tmp_path).array, phantom.hu, atol=0.5)
+
+
+@pytest.mark.parametrize("syntax", [JPEGLSLossless, JPEG2000Lossless])
+def test_a_compressed_frame_cut_short_is_refused_naming_the_file(tmp_path, phantom, syntax):
+    """The JPEG-LS decoder returned noise for half a stream (values up to 65530 in one slice, exit 0)."""
+    written = write_ct_series(phantom.hu, tmp_path, transfer_syntax=syntax)
+    victim = pydicom.dcmread(written.paths[5])
+    [frame] = generate_frames(victim.PixelData, number_of_frames=1)
+    victim.PixelData = encapsulate([frame[:len(frame) // 2]])
+    victim.save_as(written.paths[5])
+    with pytest.raises(VolumeError, match=rf"{written.paths[5].name}: pixel data frame 1 \(.*\) does not end with "
+                                          r"the end-of-image marker FFD9: the stream is cut or damaged"):
+        volume_of(tmp_path)
 
 
 def test_deflated_series_decodes_to_the_same_volume(tmp_path, phantom):

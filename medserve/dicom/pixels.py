@@ -210,10 +210,13 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
     decoders, which apply BitsStored themselves, and its modality LUT."""
     try:
         dataset = read_dataset(instance)
+        _check_jpeg_end(dataset, instance)
         pixels = dataset.pixel_array
-    except Exception as error:  # decoders raise assorted types on damaged data
+    except VolumeError:
+        raise
+    except Exception as error:  # decoders raise assorted types on damaged data; some list each plugin's on a line
         raise VolumeError(f"{instance.path}: cannot decode pixel data "
-                          f"({_transfer_syntax_name(instance)}): {error}") from error
+                          f"({_transfer_syntax_name(instance)}): {' '.join(str(error).split())}") from error
     if pixels.shape != out.shape:
         raise VolumeError(f"{instance.path}: decoded frame has shape {pixels.shape}; expected {out.shape}")
     if "ModalityLUTSequence" in dataset:
@@ -223,6 +226,23 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
             raise VolumeError(f"{instance.path}: ModalityLUTSequence cannot be applied ({error})") from error
         return
     _rescale_into(PixelFormat(pixels.dtype, 0, *_rescale(dataset, pixels.dtype.itemsize * 8)), pixels, out)
+
+
+def _check_jpeg_end(dataset: pydicom.Dataset, instance: Instance) -> None:
+    """Refuse a JPEG-family frame that does not end with its end-of-image marker (FFD9; JPEG 2000's end of
+    codestream is the same bytes), give or take the pad byte to an even length: the JPEG and JPEG-LS decoders
+    pydicom uses return noise for a cut stream rather than an error."""
+    syntax = str(dataset.file_meta.TransferSyntaxUID)
+    prefix, _, last = syntax.rpartition(".")
+    # .50-.99: JPEG, JPEG-LS, JPEG 2000; .201-.203: HTJ2K (not MPEG, HEVC or JPEG XL, which end otherwise)
+    if prefix != "1.2.840.10008.1.2.4" or not (50 <= int(last) < 100 or 200 < int(last) < 210):
+        return
+    for number, frame in enumerate(generate_frames(dataset.PixelData, number_of_frames=1), start=1):
+        # Entropy-coded data never holds FFD9 (0xFF is stuffed or starts a marker), so finding it near the end
+        # is finding the marker; a few bytes of padding after it are tolerated.
+        if b"\xff\xd9" not in frame[-16:]:
+            raise VolumeError(f"{instance.path}: pixel data frame {number} ({_transfer_syntax_name(instance)}) does "
+                              "not end with the end-of-image marker FFD9: the stream is cut or damaged")
 
 
 def _transfer_syntax_name(instance: Instance) -> str:
