@@ -13,7 +13,7 @@ import signal
 import sys
 import warnings
 
-from medserve.errors import MedserveError
+from medserve.errors import MedserveError, one_line
 
 COMMAND_GROUPS: list[str] = [
     "medserve.server.commands",
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args) or 0)
     except MedserveError as error:
         logging.getLogger("medserve").debug("command failed", exc_info=True)
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {one_line(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as error:
         stop = signal.Signals(getattr(error, "signum", signal.SIGINT))

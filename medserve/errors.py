@@ -5,6 +5,12 @@ as one line and the server can return it as a 4xx JSON body.
 """
 
 
+def one_line(message: str) -> str:
+    """`message` with its non-printable characters escaped (a newline as \\n, an escape as \\x1b): a file name
+    that holds them must not split an `error:` line in two or move the terminal's cursor."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in message)
+
+
 class MedserveError(Exception):
     """Base class of every error a user can cause with bad input."""
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from medserve.bundle.predictor import BundlePredictor
-from medserve.demo.phantom import dice
+from medserve.demo.phantom import dice, make_phantom
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import ras_affine, series_to_volume
@@ -490,6 +490,23 @@ def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path,
     assert status == 2
     assert re.search(r"error: output folder .*out: cannot be written to \(Permission denied\)",
                      capsys.readouterr().err)
+
+
+def test_a_file_name_with_control_characters_cannot_split_the_error_line(tmp_path):
+    """A bad slice named 'bad\\nerror: all good\\x1b[2K.dcm' made two error lines, the second a fake, and sent the
+    terminal an escape sequence."""
+    from medserve.demo.study import write_ct_series
+
+    written = write_ct_series(make_phantom(shape=(6, 16, 16), seed=1).hu, tmp_path / "study")
+    named = written.paths[2].with_name("bad\nerror: all good\x1b[2K.dcm")
+    written.paths[2].rename(named)
+    named.write_bytes(named.read_bytes()[:-100])  # pixel data cut short
+    completed = run_app("-i", tmp_path / "study", "-o", tmp_path / "out", "-m", DEMO_BUNDLE)
+    assert completed.returncode == 2, completed.stderr
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {tmp_path / 'study'}/bad\\nerror: all good\\x1b[2K.dcm: pixel data is truncated (412 "
+                      f"of the 512 bytes Rows x Columns x BitsAllocated/8 call for)"], completed.stderr
+    assert "\x1b" not in completed.stderr
 
 
 @pytest.mark.parametrize("unreadable", [".", "configs"])

@@ -28,7 +28,7 @@ from monai.deploy.core import Application  # noqa: E402
 from monai.deploy.conditions import CountCondition  # noqa: E402
 
 from medserve.bundle.predictor import BundlePredictor  # noqa: E402
-from medserve.errors import BundleError  # noqa: E402
+from medserve.errors import BundleError, one_line  # noqa: E402
 from medserve.logs import configure_logging, sdk_log_level  # noqa: E402
 from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
 from medserve.writers.files import partial_path, stop_publishing  # noqa: E402
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (problem := _argument_problem(args)) is not None:  # after the clean-up: no earlier result stays beside it
         _discard_run(output, created)
-        print(f"error: {problem}", file=sys.stderr)
+        print(f"error: {one_line(problem)}", file=sys.stderr)
         return 2
     # Only now: a Ctrl-C that came during the imports (held, as the signals are blocked) must not clean up while
     # the folders above are still being made.
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     if record.failure is None:
         return 0
     _discard_run(output, created)
-    print(f"error: {record.failure.message()}", file=sys.stderr)
+    print(f"error: {one_line(record.failure.message())}", file=sys.stderr)
     return record.failure.exit_status
 
 
