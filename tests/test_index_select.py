@@ -182,6 +182,19 @@ def test_corrupt_dicom_header_is_refused_naming_the_file(tmp_path):
         index_folder(tmp_path)
 
 
+def test_thousands_of_other_files_are_logged_by_the_first_twenty_and_a_count(tmp_path, caplog):
+    """A CD's 5,000 other files gave 5,000 warnings; the index still lists every one."""
+    write_ct_series(make_phantom(shape=(3, 8, 8), seed=1).hu, tmp_path / "study")
+    for number in range(25):
+        (tmp_path / "study" / f"readme{number:02d}.txt").write_text("not DICOM")
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.index"):
+        index = index_folder(tmp_path / "study")
+    assert len(index.skipped) == 25
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 21 and warned[0] == f"skipping {tmp_path / 'study' / 'readme00.txt'}: not a DICOM file"
+    assert warned[-1] == "skipping 5 more files (not a DICOM file)"
+
+
 def test_symbolic_links_to_folders_are_followed_once_and_broken_links_skipped(two_series_study, tmp_path_factory):
     linked = tmp_path_factory.mktemp("linked")
     (linked / "study").symlink_to(two_series_study, target_is_directory=True)

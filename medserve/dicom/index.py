@@ -26,6 +26,7 @@ from medserve.dicom.values import number_of_frames, uid_value
 from medserve.errors import DicomInputError
 
 log = logging.getLogger("medserve.dicom.index")
+_SKIPS_LOGGED = 20  # skipped files named one by one in the log
 
 MEDIA_STORAGE_DIRECTORY_STORAGE = "1.2.840.10008.1.3.10"
 # Enough for the header of a typical CT/MR slice (a few kB) with room for private tags.
@@ -238,6 +239,9 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         reasons = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
         raise DicomInputError(f"no DICOM files found in {root} ({len(skipped)} file(s) skipped: {reasons})")
     log.info("indexed folder", extra={"root": str(root), "series": len(series_by_uid), "skipped": len(skipped)})
+    if len(skipped) > _SKIPS_LOGGED:
+        log.warning("skipping %d more files (%s)", len(skipped) - _SKIPS_LOGGED,
+                    ", ".join(sorted({reason for _, reason in skipped[_SKIPS_LOGGED:]})))
     return StudyIndex(root=root, studies=list(studies.values()), skipped=skipped)
 
 
@@ -346,5 +350,6 @@ def _starts_as_a_dataset(head: bytes) -> bool:
 
 
 def _skip(skipped: list[tuple[Path, str]], path: Path, reason: str) -> None:
-    log.warning("skipping %s: %s", path, reason)
+    if len(skipped) < _SKIPS_LOGGED:  # a CD's thousands of other files: the rest in one line at the end
+        log.warning("skipping %s: %s", path, reason)
     skipped.append((path, reason))
