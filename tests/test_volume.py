@@ -110,14 +110,19 @@ def test_compressed_series_decode_to_the_same_volume(tmp_path, phantom, syntax):
 @pytest.mark.parametrize("syntax", [JPEGLSLossless, JPEG2000Lossless])
 def test_a_compressed_frame_cut_short_is_refused_naming_the_file(tmp_path, phantom, syntax):
     """The JPEG-LS decoder returned noise for half a stream (values up to 65530 in one slice, exit 0)."""
-    written = write_ct_series(phantom.hu, tmp_path, transfer_syntax=syntax)
+    written = write_ct_series(phantom.hu, tmp_path / "half", transfer_syntax=syntax)
     victim = pydicom.dcmread(written.paths[5])
     [frame] = generate_frames(victim.PixelData, number_of_frames=1)
     victim.PixelData = encapsulate([frame[:len(frame) // 2]])
     victim.save_as(written.paths[5])
     with pytest.raises(VolumeError, match=rf"{written.paths[5].name}: pixel data frame 1 \(.*\) does not end with "
                                           r"the end-of-image marker FFD9: the stream is cut or damaged"):
-        volume_of(tmp_path)
+        volume_of(tmp_path / "half")
+    cut = write_ct_series(phantom.hu, tmp_path / "cut", transfer_syntax=syntax).paths[5]
+    cut.write_bytes(cut.read_bytes()[:-100])  # the file itself cut: was "The dataset has no 'Pixel Data' element"
+    with pytest.raises(VolumeError, match=rf"{cut.name}: pixel data is truncated: the file ends inside its Pixel "
+                                          r"Data element"):
+        volume_of(tmp_path / "cut")
 
 
 def test_deflated_series_decodes_to_the_same_volume(tmp_path, phantom):

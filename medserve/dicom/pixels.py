@@ -210,6 +210,9 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
     decoders, which apply BitsStored themselves, and its modality LUT."""
     try:
         dataset = read_dataset(instance)
+        if "PixelData" not in dataset and instance.pixel_data_offset is not None:  # pydicom drops a cut element
+            raise VolumeError(f"{instance.path}: pixel data is truncated: the file ends inside its Pixel Data "
+                              "element")
         _check_jpeg_end(dataset, instance)
         pixels = dataset.pixel_array
     except VolumeError:
