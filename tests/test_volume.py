@@ -376,13 +376,20 @@ def test_two_slices_with_one_sop_instance_uid_are_refused_naming_both(tmp_path, 
         volume_of(tmp_path)
 
 
-def test_slices_in_two_frames_of_reference_are_refused(tmp_path, phantom):
+@pytest.mark.parametrize("shift_mm", [0.0, 50.0, 1.5], ids=["one-slice", "apart", "interleaved"])
+def test_slices_in_two_frames_of_reference_are_refused(tmp_path, phantom, shift_mm):
+    """Also when the second frame of reference's slices do not continue the first's stack: comparing their
+    positions said 'spacing is irregular' or 'duplicated slice' rather than why."""
     written = _write(tmp_path, phantom)
-    dataset = pydicom.dcmread(written.paths[2])
-    dataset.FrameOfReferenceUID = pydicom.uid.generate_uid()
-    dataset.save_as(written.paths[2])
-    with pytest.raises(VolumeError, match=rf"{written.paths[2].name}: FrameOfReferenceUID .* differs from .* slices "
-                                          r"of one series must share one frame of reference"):
+    other = pydicom.uid.generate_uid()
+    for path in written.paths[len(written.paths) // 2:] if shift_mm else written.paths[2:3]:
+        dataset = pydicom.dcmread(path)
+        dataset.FrameOfReferenceUID = other
+        position = [float(value) for value in dataset.ImagePositionPatient]
+        dataset.ImagePositionPatient = [*position[:2], position[2] + shift_mm]
+        dataset.save_as(path)
+    with pytest.raises(VolumeError, match=r"IM\d+\.dcm: FrameOfReferenceUID .* differs from .* slices of one series "
+                                          r"must share one frame of reference"):
         volume_of(tmp_path)
 
 

@@ -187,29 +187,35 @@ def _checked_volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[
                           f"{len(multiframe)} are multi-frame (e.g. {multiframe[0].path}); expected one "
                           f"multi-frame (Enhanced) object or single-frame slices")
     positions, orientation = _check_geometry_attributes(series.instances)
+    _check_one_frame_of_reference(series.instances)  # before the positions are compared: they may not be comparable
     # highdicom takes |row x column| as the unit normal: rounded cosines would scale the spacing and fail its
     # stacking check.
     order, spacing = _slice_order(series.instances, positions, np.concatenate(_orthonormal(orientation)), tolerance)
-    _check_distinct_images(series.instances)
+    _check_distinct_images(series.instances)  # after: a copied file is a duplicated slice first
     return [series.instances[i] for i in order], spacing
 
 
-def _check_distinct_images(instances: list[Instance]) -> None:
-    """Refuse slices that share a SOPInstanceUID (what a SEG frame refers to its source image by) or lie in
-    different frames of reference (their positions are then not comparable)."""
-    by_uid: dict[str, Instance] = {}
+def _check_one_frame_of_reference(instances: list[Instance]) -> None:
+    """Refuse slices that lie in different frames of reference: their positions are not comparable, and
+    comparing them gave 'spacing is irregular' or 'duplicated slice' instead of the reason."""
     reference_uid, reference = uid_value(instances[0].dataset, "FrameOfReferenceUID"), instances[0]
+    for instance in instances:
+        frame_of_reference = uid_value(instance.dataset, "FrameOfReferenceUID")
+        if frame_of_reference != reference_uid:
+            raise VolumeError(f"{instance.path}: FrameOfReferenceUID {frame_of_reference or '(none)'} differs from "
+                              f"{reference_uid or '(none)'} of {reference.path}: slices of one series must share one "
+                              f"frame of reference")
+
+
+def _check_distinct_images(instances: list[Instance]) -> None:
+    """Refuse slices that share a SOPInstanceUID: a SEG frame refers to its source image by it."""
+    by_uid: dict[str, Instance] = {}
     for instance in instances:
         uid = uid_value(instance.dataset, "SOPInstanceUID")
         if uid in by_uid:
             raise VolumeError(f"{instance.path}: SOPInstanceUID {uid} is also that of {by_uid[uid].path}, at another "
                               f"position; expected each slice of a series to be its own image with its own UID")
         by_uid[uid] = instance
-        frame_of_reference = uid_value(instance.dataset, "FrameOfReferenceUID")
-        if frame_of_reference != reference_uid:
-            raise VolumeError(f"{instance.path}: FrameOfReferenceUID {frame_of_reference or '(none)'} differs from "
-                              f"{reference_uid or '(none)'} of {reference.path}: slices of one series must share one "
-                              f"frame of reference")
 
 
 def _check_geometry_attributes(instances: list[Instance]) -> tuple[np.ndarray, np.ndarray]:
