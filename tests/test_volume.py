@@ -302,14 +302,21 @@ def _one_more_frame_of_pixels(dataset):
     dataset.PixelData += dataset.PixelData[:dataset.Rows * dataset.Columns * 2]
 
 
+def _frame_without_its_position(dataset):
+    del dataset.PerFrameFunctionalGroupsSequence[3].PlanePositionSequence
+
+
 @pytest.mark.parametrize(("edit", "message"), [
     (_fewer_frames, r"NumberOfFrames is (\d+) but PerFrameFunctionalGroupsSequence has \d+ items; expected one item "
                     r"per frame"),
     (_one_more_frame_of_pixels, r"pixel data holds (\d+) frames of Rows x Columns x BitsAllocated/8 = \d+ bytes; "
                                 r"NumberOfFrames says \d+"),
-], ids=["number-of-frames-halved", "a-frame-of-pixels-too-many"])
-def test_an_enhanced_image_whose_frame_count_does_not_add_up_is_refused(tmp_path, phantom, edit, message):
-    """highdicom read NumberOfFrames frames and dropped the rest: half the slices segmented, exit 0."""
+    (_frame_without_its_position, r"multi-frame image does not form a regular volume \(PlanePositionSequence "
+                                  r"\(0020,9113\) is missing from a frame's functional groups\)"),
+], ids=["number-of-frames-halved", "a-frame-of-pixels-too-many", "a-frame-without-its-position"])
+def test_an_enhanced_image_whose_frames_do_not_add_up_is_refused(tmp_path, phantom, edit, message):
+    """highdicom read NumberOfFrames frames and dropped the rest: half the slices segmented, exit 0; a frame
+    without its position was refused as '((0020,9113))'."""
     path = _enhanced_of(write_ct_series(phantom.hu, tmp_path / "single").paths[0].parent, tmp_path / "multi")
     dataset = pydicom.dcmread(path / "enhanced.dcm")
     edit(dataset)

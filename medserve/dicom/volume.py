@@ -22,6 +22,8 @@ from pathlib import Path
 import highdicom as hd
 import numpy as np
 import pydicom
+from pydicom.datadict import keyword_for_tag
+from pydicom.tag import Tag
 
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
@@ -453,6 +455,14 @@ def _optional_decimals(dataset: pydicom.Dataset, keyword: str) -> tuple[float, .
         return None  # unreadable text counts as absent: the spacing has a fallback
 
 
+def _frames_problem(error: Exception) -> str:
+    """highdicom's reason on one line; a missing attribute (a bare KeyError of its tag) by name."""
+    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
+        tag = Tag(error.args[0])
+        return f"{keyword_for_tag(tag) or 'an attribute'} {tag} is missing from a frame's functional groups"
+    return " ".join(str(error).split())
+
+
 def _check_frame_count(dataset: pydicom.Dataset, path: Path) -> None:
     """Refuse a NumberOfFrames that the per-frame functional groups or the uncompressed pixel data do not bear
     out: highdicom reads that many frames and drops the rest (20 of 40 slices, without a word)."""
@@ -485,7 +495,8 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
         volume = image.get_volume(dtype=np.float32, apply_real_world_transform=False, apply_presentation_lut=False,
                                   atol=atol)
     except Exception as error:  # highdicom raises ValueError/RuntimeError for non-volume frame layouts
-        raise VolumeError(f"{instance.path}: multi-frame image does not form a regular volume ({error})") from error
+        raise VolumeError(f"{instance.path}: multi-frame image does not form a regular volume "
+                          f"({_frames_problem(error)})") from error
     if volume.array.ndim != 3:
         raise VolumeError(f"{instance.path}: multi-frame image has {volume.array.ndim} dimensions; expected 3")
     return volume.ensure_handedness(_ALONG_NORMAL, flip_axis=0)  # slices ascending along the normal, as ours
