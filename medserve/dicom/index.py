@@ -51,6 +51,11 @@ class Instance:
         return number_of_frames(self.dataset)
 
     @property
+    def transfer_syntax(self) -> UID:
+        """The file meta's TransferSyntaxUID; an empty UID when the file has none."""
+        return UID(uid_value(getattr(self.dataset, "file_meta", Dataset()), "TransferSyntaxUID") or "")
+
+    @property
     def is_multiframe(self) -> bool:
         return is_multiframe_dataset(self.dataset)
 
@@ -255,7 +260,7 @@ def _is_image(instance: Instance) -> bool:
 def _pixel_data_offset_is_known(instance: Instance) -> bool:
     """Whether reading the header finds the Pixel Data element where the file has one: not in a deflated body
     (read inflated), a big-endian one (its tag reads otherwise) or a file read with force."""
-    syntax = UID(uid_value(getattr(instance.dataset, "file_meta", Dataset()), "TransferSyntaxUID") or "")
+    syntax = instance.transfer_syntax
     return (not instance.without_preamble and syntax.is_transfer_syntax and syntax.is_little_endian
             and not syntax.is_deflated)
 

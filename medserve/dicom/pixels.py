@@ -24,7 +24,7 @@ from pydicom.pixels import apply_modality_lut
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossless
 
 from medserve.dicom.index import Instance, read_dataset
-from medserve.dicom.values import decimal_values, integer_value, stored_bytes, uid_value
+from medserve.dicom.values import decimal_values, integer_value, stored_bytes
 from medserve.errors import VolumeError
 
 log = logging.getLogger("medserve.dicom.pixels")
@@ -69,10 +69,6 @@ class PixelFormats:
         return found
 
 
-def transfer_syntax(instance: Instance) -> str:
-    return uid_value(instance.dataset.file_meta, "TransferSyntaxUID")
-
-
 def read_slices(instances: Sequence[Instance], array: np.ndarray) -> None:
     """Fill `array[k]` with the pixels of `instances[k]`, in place.
 
@@ -107,7 +103,7 @@ def read_slices(instances: Sequence[Instance], array: np.ndarray) -> None:
 def read_slice(instance: Instance, pixel_format: PixelFormat, out: np.ndarray) -> int:
     """The instance's one frame into `out` (rows x columns, float32), rescaled; VolumeError naming the file.
     Returns the number of padding bytes found after an uncompressed frame (beyond the one to an even length)."""
-    syntax = transfer_syntax(instance)
+    syntax = instance.transfer_syntax
     if "ModalityLUTSequence" in instance.dataset:
         _decode_slice(instance, out)
     elif syntax in _NATIVE_LITTLE_ENDIAN:
@@ -164,7 +160,7 @@ def _pixel_value(instance: Instance, expected: int | None = None) -> tuple[int, 
 def check_first_frame_length(instance: Instance, rows: int, columns: int) -> None:
     """Refuse an uncompressed slice whose pixel data is shorter than Rows x Columns before a volume is allocated
     from them: a damaged Rows or Columns (65535) would otherwise ask for hundreds of GB first."""
-    if transfer_syntax(instance) in _NATIVE_LITTLE_ENDIAN and "ModalityLUTSequence" not in instance.dataset:
+    if instance.transfer_syntax in _NATIVE_LITTLE_ENDIAN and "ModalityLUTSequence" not in instance.dataset:
         _native_frame(instance, _pixel_format(instance), rows * columns)
 
 
@@ -213,7 +209,7 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
         if "PixelData" not in dataset and instance.pixel_data_offset is not None:  # pydicom drops a cut element
             raise VolumeError(f"{instance.path}: pixel data is truncated: the file ends inside its Pixel Data "
                               "element")
-        _check_jpeg_end(dataset, instance)
+        _check_jpeg_end(dataset.PixelData, instance)
         pixels = dataset.pixel_array
     except VolumeError:
         raise
@@ -231,16 +227,15 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
     _rescale_into(PixelFormat(pixels.dtype, 0, *_rescale(dataset, pixels.dtype.itemsize * 8)), pixels, out)
 
 
-def _check_jpeg_end(dataset: pydicom.Dataset, instance: Instance) -> None:
+def _check_jpeg_end(pixel_data: bytes, instance: Instance) -> None:
     """Refuse a JPEG-family frame that does not end with its end-of-image marker (FFD9; JPEG 2000's end of
-    codestream is the same bytes), give or take the pad byte to an even length: the JPEG and JPEG-LS decoders
-    pydicom uses return noise for a cut stream rather than an error."""
-    syntax = str(dataset.file_meta.TransferSyntaxUID)
-    prefix, _, last = syntax.rpartition(".")
+    codestream is the same bytes), give or take a few bytes of padding: the JPEG and JPEG-LS decoders pydicom
+    uses return noise for a cut stream rather than an error."""
+    prefix, _, last = str(instance.transfer_syntax).rpartition(".")
     # .50-.99: JPEG, JPEG-LS, JPEG 2000; .201-.203: HTJ2K (not MPEG, HEVC or JPEG XL, which end otherwise)
     if prefix != "1.2.840.10008.1.2.4" or not (50 <= int(last) < 100 or 200 < int(last) < 210):
         return
-    for number, frame in enumerate(generate_frames(dataset.PixelData, number_of_frames=1), start=1):
+    for number, frame in enumerate(generate_frames(pixel_data, number_of_frames=1), start=1):
         # Entropy-coded data never holds FFD9 (0xFF is stuffed or starts a marker), so finding it near the end
         # is finding the marker; a few bytes of padding after it are tolerated.
         if b"\xff\xd9" not in frame[-16:]:
@@ -249,8 +244,8 @@ def _check_jpeg_end(dataset: pydicom.Dataset, instance: Instance) -> None:
 
 
 def _transfer_syntax_name(instance: Instance) -> str:
-    uid = instance.dataset.file_meta.get("TransferSyntaxUID")
-    return f"{uid.name} {uid}" if uid is not None else "no transfer syntax"
+    uid = instance.transfer_syntax
+    return f"{uid.name} {uid}" if uid else "no transfer syntax"
 
 
 def _mask_stored_bits(pixel_format: PixelFormat, raw: np.ndarray) -> np.ndarray:

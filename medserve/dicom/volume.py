@@ -463,21 +463,21 @@ def _frames_problem(error: Exception) -> str:
     return " ".join(str(error).split())
 
 
-def _check_frame_count(dataset: pydicom.Dataset, path: Path) -> None:
+def _check_frame_count(dataset: pydicom.Dataset, instance: Instance) -> None:
     """Refuse a NumberOfFrames that the per-frame functional groups or the uncompressed pixel data do not bear
     out: highdicom reads that many frames and drops the rest (20 of 40 slices, without a word)."""
     frames = number_of_frames(dataset)
     per_frame = dataset.get("PerFrameFunctionalGroupsSequence")
     if per_frame is not None and len(per_frame) != frames:
-        raise VolumeError(f"{path}: NumberOfFrames is {frames} but PerFrameFunctionalGroupsSequence has "
+        raise VolumeError(f"{instance.path}: NumberOfFrames is {frames} but PerFrameFunctionalGroupsSequence has "
                           f"{len(per_frame)} items; expected one item per frame")
     pixels = dataset.get("PixelData")
-    syntax = pydicom.uid.UID(uid_value(getattr(dataset, "file_meta", pydicom.Dataset()), "TransferSyntaxUID") or "")
+    syntax = instance.transfer_syntax
     if isinstance(pixels, bytes) and syntax.is_transfer_syntax and not syntax.is_compressed:
         frame_bytes = int(dataset.Rows) * int(dataset.Columns) * int(dataset.BitsAllocated) // 8
         if frame_bytes and len(pixels) // frame_bytes != frames:
-            raise VolumeError(f"{path}: pixel data holds {len(pixels) // frame_bytes} frames of Rows x Columns "
-                              f"x BitsAllocated/8 = {frame_bytes} bytes; NumberOfFrames says {frames}")
+            raise VolumeError(f"{instance.path}: pixel data holds {len(pixels) // frame_bytes} frames of Rows x "
+                              f"Columns x BitsAllocated/8 = {frame_bytes} bytes; NumberOfFrames says {frames}")
 
 
 def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Volume:
@@ -488,7 +488,7 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
         dataset = read_dataset(instance)  # also a file written without the preamble
     except Exception as error:  # pydicom raises assorted types on damaged files
         raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
-    _check_frame_count(dataset, instance.path)
+    _check_frame_count(dataset, instance)
     atol = _multiframe_atol(dataset, str(instance.path), tolerance)
     try:
         image = hd.Image.from_dataset(dataset, copy=False)
