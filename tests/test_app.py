@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -476,7 +477,7 @@ def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path,
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(app.tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(tempfile, "TemporaryFile", refuse)  # as medserve.writers.files calls it
     for variable in ("HOLOSCAN_INPUT_PATH", "HOLOSCAN_OUTPUT_PATH", "HOLOSCAN_MODEL_PATH"):
         monkeypatch.setenv(variable, "")  # main() sets them; restored after the test
     root = logging.getLogger()

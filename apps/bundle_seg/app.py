@@ -15,7 +15,6 @@ import functools
 import os
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,10 +27,10 @@ from monai.deploy.core import Application  # noqa: E402
 from monai.deploy.conditions import CountCondition  # noqa: E402
 
 from medserve.bundle.predictor import BundlePredictor  # noqa: E402
-from medserve.errors import BundleError, one_line  # noqa: E402
+from medserve.errors import BundleError, OutputError, one_line  # noqa: E402
 from medserve.logs import configure_logging, sdk_log_level  # noqa: E402
 from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
-from medserve.writers.files import partial_path, stop_publishing  # noqa: E402
+from medserve.writers.files import partial_path, stop_publishing, writable_folder  # noqa: E402
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator,  # noqa: E402
                        ResultSummaryOperator, SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
 from operators.failures import watch_failures  # noqa: E402
@@ -139,18 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no output path: pass --output or set HOLOSCAN_OUTPUT_PATH", file=sys.stderr)
         return 2
     output = Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
-    created = [folder for folder in (output, *output.absolute().parents) if not folder.exists()]  # deepest first
     try:
-        output.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=output).close()  # writable by us, whatever the permission bits say
-        for name in (SEG_NAME, NIFTI_NAME):  # an earlier run's results must not pass for this run's
-            (output / name).unlink(missing_ok=True)
-            # A run killed outright (SIGKILL, out of memory) leaves its partial file; inside the input folder it
-            # would be read as a corrupt DICOM file by every later run.
-            partial_path(output / name).unlink(missing_ok=True)
-    except OSError as error:
-        print(f"error: output folder {output}: cannot be {'written to' if output.is_dir() else 'created'} "
-              f"({error.strerror or error}); expected a folder we can write to", file=sys.stderr)
+        created = writable_folder(output, stale=(SEG_NAME, NIFTI_NAME))
+    except OutputError as error:
+        print(f"error: {one_line(str(error))}", file=sys.stderr)
         return 2
     if (problem := _argument_problem(args)) is not None:  # after the clean-up: no earlier result stays beside it
         _discard_run(output, created)

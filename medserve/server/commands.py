@@ -9,7 +9,6 @@ import logging
 import os
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -215,18 +214,13 @@ def infer_command(args: argparse.Namespace) -> int:
 
 def _writable_output(folder: Path, target: Path) -> list[Path]:
     """Make the output folder (the folders made are returned, deepest first) and check that the result can be
-    written there; a ClientError naming the folder otherwise."""
+    written there; a ClientError or OutputError naming the folder otherwise."""
     from medserve.server.client import ClientError
+    from medserve.writers.files import writable_folder
 
     if folder.exists() and not folder.is_dir():
         raise ClientError(f"output folder {folder} is a file; expected a folder")
-    created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()  # writable by us, whatever the permission bits say
-    except OSError as error:
-        raise ClientError(f"output folder {folder}: cannot be {'written to' if folder.is_dir() else 'created'} "
-                          f"({error.strerror or error}); expected a folder we can write to") from error
+    created = writable_folder(folder)
     if target.is_dir():
         raise ClientError(f"{target} is a folder; expected the result's file name to be free")
     return created

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from medserve.errors import OutputError, first_line
@@ -16,6 +17,26 @@ _PUBLISHING = threading.Lock()
 def partial_path(path: Path) -> Path:
     """Where `path` is written before it is complete: a hidden name beside it, keeping its suffixes."""
     return path.with_name(f".{path.name}.partial{''.join(path.suffixes)}")
+
+
+def writable_folder(folder: Path, stale: Sequence[str] = ()) -> list[Path]:
+    """Make `folder` (and its missing parents), check that this process can write in it, whatever the permission
+    bits say, and remove the files named `stale` there with their partial files (an earlier run's results, which
+    must not pass for this run's). Returns the folders it made, deepest first; an OutputError naming the folder
+    when it cannot be made or written."""
+    created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+        for name in stale:
+            (folder / name).unlink(missing_ok=True)
+            # A run killed outright (SIGKILL, out of memory) leaves its partial file; inside an input folder it
+            # would be read as a corrupt DICOM file by every later run.
+            partial_path(folder / name).unlink(missing_ok=True)
+    except OSError as error:
+        raise OutputError(f"output folder {folder}: cannot be {'written to' if folder.is_dir() else 'created'} "
+                          f"({error.strerror or error}); expected a folder we can write to") from error
+    return created
 
 
 def stop_publishing() -> None:
