@@ -436,15 +436,17 @@ def multiframe_geometry(dataset: pydicom.Dataset,
     return geometry.ensure_handedness(_ALONG_NORMAL, flip_axis=0)
 
 
-def single_image_spacing(dataset: pydicom.Dataset) -> float:
+def single_image_spacing(dataset: pydicom.Dataset, *, warn: bool = True) -> float:
     """The slice spacing of a series of one image: SpacingBetweenSlices, else SliceThickness, else 1 mm (with a
-    warning: the NIfTI's affine and the SEG's slice thickness then say 1 mm, which nothing in the header states)."""
+    warning unless `warn` is false: the NIfTI's affine and the SEG's slice thickness then say 1 mm, which nothing in
+    the header states; the SEG writer, which restates what the volume took, passes false)."""
     for keyword in ("SpacingBetweenSlices", "SliceThickness"):
         values = _optional_decimals(dataset, keyword)
         if values and values[0] > 0:
             return values[0]
-    log.warning("%s: a single image without SpacingBetweenSlices or SliceThickness; taking 1 mm",
-                getattr(dataset, "filename", None) or "the source image")
+    if warn:
+        log.warning("%s: a single image without SpacingBetweenSlices or SliceThickness; taking 1 mm",
+                    getattr(dataset, "filename", None) or "the source image")
     return 1.0
 
 

@@ -388,7 +388,7 @@ def _slice_spacing(source: list[Dataset]) -> float | None:
     if any(number_of_frames(d) != 1 for d in source[:2]):
         return None
     if len(source) == 1:
-        return single_image_spacing(source[0])
+        return single_image_spacing(source[0], warn=False)  # the volume has warned
     if any("ImagePositionPatient" not in d for d in source[:2]):
         return None
     step = np.asarray(source[1].ImagePositionPatient, float) - np.asarray(source[0].ImagePositionPatient, float)
