@@ -284,6 +284,24 @@ def test_objects_outside_any_study_are_skipped_but_an_image_without_uids_is_refu
         index_folder(two_series_study)
 
 
+def test_objects_of_other_classes_within_an_image_series_are_left_out_of_it(two_series_study, caplog):
+    """A dose report or a presentation state filed under the CT's SeriesInstanceUID is no slice: it is skipped
+    naming its class, and the series still forms its volume (it was refused as 'Rows is missing')."""
+    main = pydicom.dcmread(next((two_series_study / "a" / "b").iterdir()))
+    report = _object_outside_any_study(pydicom.uid.BasicTextSRStorage)
+    report.StudyInstanceUID, report.SeriesInstanceUID, report.Modality = (main.StudyInstanceUID,
+                                                                          main.SeriesInstanceUID, "SR")
+    report.save_as(two_series_study / "a" / "b" / "report.dcm", enforce_file_format=True)
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.index"):
+        index = index_folder(two_series_study)
+    reason = "Basic Text SR Storage, not an image"
+    assert (two_series_study / "a" / "b" / "report.dcm", reason) in index.skipped
+    assert f"skipping {two_series_study / 'a' / 'b' / 'report.dcm'}: {reason}" in caplog.messages
+    [choice] = select_series(index)
+    assert len(choice.series.instances) == 16
+    assert series_to_volume(choice.series).array.shape == (16, 24, 24)
+
+
 def test_default_rules_pick_the_largest_ct_series(two_series_study):
     [choice] = select_series(index_folder(two_series_study))
     assert choice.series.description == "Abdomen 3mm"

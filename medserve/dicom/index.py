@@ -180,7 +180,8 @@ def _read(source: Path | BinaryIO, without_preamble: bool, **options: Any) -> Da
 def index_folder(folder: Path | str, exclude: Path | str | None = None) -> StudyIndex:
     """Index every DICOM file under `folder` (recursively) by StudyInstanceUID and SeriesInstanceUID.
 
-    Non-DICOM files and DICOMDIR files are skipped with a warning. A file that starts as DICOM but cannot be
+    Non-DICOM files, DICOMDIR files and objects of a class that is not an image (an SR, a presentation state) are
+    skipped with a warning. A file that starts as DICOM but cannot be
     parsed is an error: it would silently drop a slice from its series otherwise. `exclude`: a folder left out
     (an app's output folder inside its input folder, whose SEG would otherwise be read as input next time).
     """
@@ -219,6 +220,10 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
                                                        ("SeriesInstanceUID", series_uid)) if not v)
                 raise DicomInputError(f"{path}: corrupt or truncated DICOM file, or an incomplete object: {missing} "
                                       "missing")
+            continue
+        if not _is_image(instance) and _pixel_data_offset_is_known(instance):
+            # A dose report or presentation state filed in an image series is no slice of it.
+            _skip(skipped, path, f"{_sop_class_name(dataset)}, not an image")
             continue
         if not uid_value(dataset, "SOPInstanceUID"):
             # Every result references its source images by this UID (a SEG cannot be written without it).
