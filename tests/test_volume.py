@@ -325,6 +325,28 @@ def test_an_enhanced_image_whose_frames_do_not_add_up_is_refused(tmp_path, phant
         series_to_volume(index_folder(path).all_series[0])
 
 
+@pytest.mark.parametrize("syntax", [JPEGLSLossless, JPEG2000Lossless])
+def test_a_cut_frame_of_a_compressed_enhanced_image_is_refused_naming_it(tmp_path, phantom, syntax):
+    """As for single-frame slices: the JPEG-LS decoder returned noise for the cut frame (exit 0), the JPEG 2000
+    one a highdicom error with pydicom's tracebacks logged. Frames missing altogether are named as such (they were
+    "does not form a regular volume")."""
+    path = _enhanced_of(write_ct_series(phantom.hu, tmp_path / "single").paths[0].parent, tmp_path / "multi")
+    dataset = pydicom.dcmread(path / "enhanced.dcm")
+    dataset.compress(syntax)
+    frames = list(generate_frames(dataset.PixelData, number_of_frames=dataset.NumberOfFrames))
+    frames[3] = frames[3][:len(frames[3]) // 2]
+    dataset.PixelData = encapsulate(frames)
+    dataset.save_as(path / "enhanced.dcm")
+    with pytest.raises(VolumeError, match=r"enhanced.dcm: pixel data frame 4 \(.*\) does not end with the "
+                                          r"end-of-image marker FFD9: the stream is cut or damaged"):
+        series_to_volume(index_folder(path).all_series[0])
+    dataset.PixelData = encapsulate(frames[:-1], has_bot=False)  # a frame fewer than NumberOfFrames says
+    dataset.save_as(path / "enhanced.dcm")
+    with pytest.raises(VolumeError, match=r"enhanced.dcm: cannot read the encapsulated frames \(.*fewer fragments "
+                                          r"than frames"):
+        series_to_volume(index_folder(path).all_series[0])
+
+
 def test_a_series_of_several_multiframe_objects_is_refused_with_the_reason(tmp_path, phantom):
     single = tmp_path / "single"
     write_ct_series(phantom.hu, single)

@@ -209,7 +209,7 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
         if "PixelData" not in dataset and instance.pixel_data_offset is not None:  # pydicom drops a cut element
             raise VolumeError(f"{instance.path}: pixel data is truncated: the file ends inside its Pixel Data "
                               "element")
-        _check_jpeg_end(dataset.PixelData, instance)
+        check_jpeg_end(dataset.PixelData, instance)
         pixels = dataset.pixel_array
     except VolumeError:
         raise
@@ -227,15 +227,15 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
     _rescale_into(PixelFormat(pixels.dtype, 0, *_rescale(dataset, pixels.dtype.itemsize * 8)), pixels, out)
 
 
-def _check_jpeg_end(pixel_data: bytes, instance: Instance) -> None:
-    """Refuse a JPEG-family frame that does not end with its end-of-image marker (FFD9; JPEG 2000's end of
-    codestream is the same bytes), give or take a few bytes of padding: the JPEG and JPEG-LS decoders pydicom
-    uses return noise for a cut stream rather than an error."""
+def check_jpeg_end(pixel_data: bytes, instance: Instance, frames: int = 1) -> None:
+    """Refuse a JPEG-family frame (of `frames` in the encapsulated pixel data) that does not end with its
+    end-of-image marker (FFD9; JPEG 2000's end of codestream is the same bytes), give or take a few bytes of
+    padding: the JPEG and JPEG-LS decoders pydicom uses return noise for a cut stream rather than an error."""
     prefix, _, last = str(instance.transfer_syntax).rpartition(".")
     # .50-.99: JPEG, JPEG-LS, JPEG 2000; .201-.203: HTJ2K (not MPEG, HEVC or JPEG XL, which end otherwise)
     if prefix != "1.2.840.10008.1.2.4" or not (50 <= int(last) < 100 or 200 < int(last) < 210):
         return
-    for number, frame in enumerate(generate_frames(pixel_data, number_of_frames=1), start=1):
+    for number, frame in enumerate(generate_frames(pixel_data, number_of_frames=frames), start=1):
         # Entropy-coded data never holds FFD9 (0xFF is stuffed or starts a marker), so finding it near the end
         # is finding the marker; a few bytes of padding after it are tolerated.
         if b"\xff\xd9" not in frame[-16:]:

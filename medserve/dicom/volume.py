@@ -27,9 +27,9 @@ from pydicom.tag import Tag
 
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
-from medserve.dicom.pixels import check_first_frame_length, read_slices
+from medserve.dicom.pixels import check_first_frame_length, check_jpeg_end, read_slices
 from medserve.dicom.values import decimal_values, integer_value, number_of_frames, stored_bytes, uid_value
-from medserve.errors import VolumeError
+from medserve.errors import VolumeError, first_line
 
 log = logging.getLogger("medserve.dicom.volume")
 
@@ -491,6 +491,13 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
     except Exception as error:  # pydicom raises assorted types on damaged files
         raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
     _check_frame_count(dataset, instance)
+    if "PixelData" in dataset:
+        try:
+            check_jpeg_end(dataset.PixelData, instance, number_of_frames(dataset))
+        except VolumeError:
+            raise
+        except Exception as error:  # pydicom's frame splitting on items that do not add up to the frames
+            raise VolumeError(f"{instance.path}: cannot read the encapsulated frames ({first_line(error)})") from error
     atol = _multiframe_atol(dataset, str(instance.path), tolerance)
     try:
         image = hd.Image.from_dataset(dataset, copy=False)
