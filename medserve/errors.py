@@ -59,3 +59,9 @@ def first_line(error: BaseException) -> str:
     """An error's message in one line, for messages that embed another library's (torch's and pydicom's run on
     for many lines); its type name when it has no message."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def on_one_line(text: object) -> str:
+    """A message with all its lines kept, joined by single spaces: for libraries that list one reason per line
+    (pydicom names each decoder plugin's failure on a line of its own, where first_line would keep a header)."""
+    return " ".join(str(text).split())

@@ -39,7 +39,7 @@ from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from medserve.bundle.imports import bundle_code
 from medserve.bundle.layout import INFERENCE_CONFIG_NAMES, BundleLayout
 from medserve.dicom.volume import lps_affine, ras_affine
-from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory, first_line
+from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory, first_line, on_one_line
 from medserve.writers.labels import MAX_LABEL
 
 log = logging.getLogger("medserve.bundle")
@@ -520,7 +520,7 @@ def _cause(error: BaseException) -> str:
                   if (m := _MONAI_TRANSFORM_FAILURE.match(str(link)))]
     root = chain[-1]
     text = root.args[0] if isinstance(root, KeyError) and len(root.args) == 1 else str(root)
-    text = " ".join(str(text).split())
+    text = on_one_line(text)
     if len(text) > _CAUSE_CHARACTERS:
         text = text[:_CAUSE_CHARACTERS] + "..."
     described = f"{type(root).__name__}: {text}" if text else type(root).__name__

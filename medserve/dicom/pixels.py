@@ -25,7 +25,7 @@ from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, RLELossl
 
 from medserve.dicom.index import Instance, read_dataset
 from medserve.dicom.values import decimal_values, integer_value, stored_bytes
-from medserve.errors import VolumeError
+from medserve.errors import VolumeError, on_one_line
 
 log = logging.getLogger("medserve.dicom.pixels")
 
@@ -215,7 +215,7 @@ def _decode_slice(instance: Instance, out: np.ndarray) -> None:
         raise
     except Exception as error:  # decoders raise assorted types on damaged data; some list each plugin's on a line
         raise VolumeError(f"{instance.path}: cannot decode pixel data "
-                          f"({_transfer_syntax_name(instance)}): {' '.join(str(error).split())}") from error
+                          f"({_transfer_syntax_name(instance)}): {on_one_line(error)}") from error
     if pixels.shape != out.shape:
         raise VolumeError(f"{instance.path}: decoded frame has shape {pixels.shape}; expected {out.shape}")
     if "ModalityLUTSequence" in dataset:

@@ -29,7 +29,7 @@ from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
 from medserve.dicom.pixels import check_first_frame_length, check_jpeg_end, read_slices
 from medserve.dicom.values import decimal_values, integer_value, number_of_frames, stored_bytes, uid_value
-from medserve.errors import VolumeError, first_line
+from medserve.errors import VolumeError, first_line, on_one_line
 
 log = logging.getLogger("medserve.dicom.volume")
 
@@ -462,7 +462,7 @@ def _frames_problem(error: Exception) -> str:
     if isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
         tag = Tag(error.args[0])
         return f"{keyword_for_tag(tag) or 'an attribute'} {tag} is missing from a frame's functional groups"
-    return " ".join(str(error).split())
+    return on_one_line(error)
 
 
 def _check_frame_count(dataset: pydicom.Dataset, instance: Instance) -> None:
