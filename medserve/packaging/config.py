@@ -9,14 +9,16 @@ SDK's own examples use; here those are errors, because a MAP whose manifest lost
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from packaging.requirements import InvalidRequirement, Requirement
 
-from medserve.errors import PackagingError
+from medserve.errors import PackagingError, first_line
 
 logger = logging.getLogger("medserve.packaging.config")
 
@@ -27,7 +29,7 @@ RESOURCE_KEYS = {
     "cpu", "cpuLimit", "gpu", "gpuLimit", "memory", "memoryLimit",
     "gpuMemory", "gpuMemoryLimit", "sharedMemory", "fragments",
 }
-_MEMORY = re.compile(r"^\s*\d+(\.\d+)?\s*(Mi|MiB|Gi|GiB|MB|GB|m|g)\s*$")
+_MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Mi|MiB|Gi|GiB|MB|GB|m|g)\s*$")
 _MEMORY_KEYS = {"memory", "memoryLimit", "gpuMemory", "gpuMemoryLimit", "sharedMemory"}
 
 
@@ -66,48 +68,84 @@ def _string_list(value: Any, where: str) -> list[str] | None:
     return list(value)
 
 
+def _check_names(mapping: dict[Any, Any], path: Path, field: str) -> None:
+    """YAML reads `1:` or `true:` as a number or a boolean, where every key here is a name."""
+    for key in mapping:
+        if not isinstance(key, str):
+            raise PackagingError(f"{path}: {field} key {key!r} is not a name; expected a key such as title, cpu or "
+                                 "memory")
+
+
 def _check_resources(resources: Any, path: Path) -> dict[str, Any]:
     if not isinstance(resources, dict):
         raise PackagingError(f"{path}: 'resources' must be a mapping (cpu, gpu, memory, gpuMemory, ...)")
+    _check_resource_values(resources, path, "resources")
+    fragments = resources.get("fragments")
+    if fragments is not None:
+        if not isinstance(fragments, dict) or not all(isinstance(f, dict) for f in fragments.values()):
+            raise PackagingError(f"{path}: resources.fragments must map each fragment's name to its resources, got "
+                                 f"{fragments!r}")
+        _check_names(fragments, path, "resources.fragments")
+        for name, fragment in fragments.items():  # the runner takes the largest sharedMemory of them all
+            _check_resource_values(fragment, path, f"resources.fragments.{name}")
+    return dict(resources)
+
+
+def _check_resource_values(resources: dict[Any, Any], path: Path, field: str) -> None:
+    """The resources of the app or of one fragment: known camelCase keys, finite positive amounts (a NaN or an
+    infinity would make pkg.json invalid JSON; a negative sharedMemory becomes an unlimited /dev/shm)."""
+    _check_names(resources, path, field)
     for key, value in resources.items():
         camel = _kebab_to_camel(key.replace("_", "-"))
         if key in RESOURCE_KEYS:
             pass
         elif camel in RESOURCE_KEYS:
             spelling = "kebab-case" if "-" in key else "snake_case"
-            raise PackagingError(f"{path}: resources.{key} is {spelling}; the MAP runner reads resources.{camel}")
+            raise PackagingError(f"{path}: {field}.{key} is {spelling}; the MAP runner reads {field}.{camel}")
         else:
-            logger.warning("%s: unknown key resources.%s (kept in pkg.json, ignored by runners)", path, key)
+            logger.warning("%s: unknown key %s.%s (kept in pkg.json, ignored by runners)", path, field, key)
             continue
-        if key in {"cpu", "cpuLimit"} and not (isinstance(value, (int, float)) and value > 0):
-            raise PackagingError(f"{path}: resources.{key} must be a positive number, got {value!r}")
+        if key in {"cpu", "cpuLimit"} and not (_is_number(value) and math.isfinite(value) and value > 0):
+            raise PackagingError(f"{path}: {field}.{key} must be a positive number, got {value!r}")
         if key in {"gpu", "gpuLimit"} and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-            raise PackagingError(f"{path}: resources.{key} must be a whole number >= 0, got {value!r}")
+            raise PackagingError(f"{path}: {field}.{key} must be a whole number >= 0, got {value!r}")
         if key in _MEMORY_KEYS:
-            _check_size(value, f"{path}: resources.{key}")
-        if key == "fragments":
-            _check_fragments(value, path)
-    return dict(resources)
+            _check_size(value, f"{path}: {field}.{key}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_size(value: Any, where: str) -> None:
-    if not (isinstance(value, (int, float)) and not isinstance(value, bool)
-            or (isinstance(value, str) and _MEMORY.match(value))):
-        raise PackagingError(f"{where} must be a size like '2Gi', '512Mi', '1GB', got {value!r}")
+    matched = _MEMORY.match(value) if isinstance(value, str) else None
+    amount = float(matched.group(1)) if matched else value if _is_number(value) else math.nan
+    if not (math.isfinite(amount) and amount > 0):
+        raise PackagingError(f"{where} must be a size above zero like '2Gi', '512Mi', '1GB', got {value!r}")
 
 
-def _check_fragments(fragments: Any, path: Path) -> None:
-    """`resources.fragments`: per fragment of a distributed app, its own resources; the runner takes the largest
-    sharedMemory of them all."""
-    if fragments is None:
-        return
-    if not isinstance(fragments, dict) or not all(isinstance(f, dict) for f in fragments.values()):
-        raise PackagingError(f"{path}: resources.fragments must map each fragment's name to its resources, got "
-                             f"{fragments!r}")
-    for name, resources in fragments.items():
-        for key, value in resources.items():
-            if key in _MEMORY_KEYS:
-                _check_size(value, f"{path}: resources.fragments.{name}.{key}")
+def _written_text(text: str, keys: tuple[str, ...]) -> str:
+    """A scalar as the file spells it (YAML's loader turns `010` into 8), found by its keys."""
+    node = yaml.compose(text)
+    for key in keys:
+        node = next(value for name, value in node.value if name.value == key)
+    return node.value
+
+
+def _requirements(value: Any, path: Path) -> list[str] | None:
+    """application.pip-packages, each a requirement pip can read (else pip fails inside the build, pointing at a
+    requirements file of the image); options (--index-url), paths and URLs are left to pip."""
+    packages = _string_list(value, f"{path}: application.pip-packages")
+    for number, line in enumerate(packages or [], start=1):
+        requirement = re.split(r"\s#|\s--", line, maxsplit=1)[0].strip()  # a comment, --hash options
+        if not requirement or line.startswith(("-", "#")) or "/" in line or line.endswith((".whl", ".tar.gz")):
+            continue
+        try:
+            Requirement(requirement)
+        except InvalidRequirement as error:
+            raise PackagingError(f"{path}: application.pip-packages item {number}, {line!r}, is not a requirement "
+                                 f"pip can read ({first_line(error)}); expected e.g. 'nibabel==5.3.2'") from error
+    return packages
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:
@@ -123,7 +161,8 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     if not path.is_file():
         raise PackagingError(f"application config not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise PackagingError(f"{path}: not valid YAML: {_yaml_problem(error)}") from error
     except (UnicodeDecodeError, OSError) as error:
@@ -131,11 +170,17 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     if not isinstance(data, dict):
         raise PackagingError(f"{path}: expected a mapping with 'application' and 'resources'")
     application = data.get("application")
-    if not isinstance(application, dict):
+    if application is None:
         raise PackagingError(f"{path}: required section 'application' is missing")
+    if not isinstance(application, dict):
+        raise PackagingError(f"{path}: 'application' must be a mapping (title, version, input-formats, ...), got "
+                             f"{application!r}")
     if "resources" not in data:
         raise PackagingError(f"{path}: required section 'resources' is missing")
+    for key in APPLICATION_KEYS.intersection(data):  # other top-level sections may configure the app's operators
+        logger.warning("%s: %s at the top level is ignored by the packager; it belongs under application", path, key)
 
+    _check_names(application, path, "application")
     for key in application:
         if key in APPLICATION_KEYS:
             continue
@@ -151,15 +196,14 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     title = application.get("title")
     if not isinstance(title, str) or not title.strip():
         raise PackagingError(f"{path}: required field application.title is missing or empty")
+    if not title.isprintable():  # it becomes an image label and a line of `medserve inspect`
+        raise PackagingError(f"{path}: application.title {title!r} must be one line of printable text")
     version = application.get("version")
-    if version is not None and not isinstance(version, (str, int, float)):
-        raise PackagingError(f"{path}: application.version must be a string, got {version!r}")
-    if isinstance(version, float) and not version_override:
-        raise PackagingError(
-            f"{path}: application.version {version!r} was read by YAML as a number (1.10 becomes 1.1); "
-            f"quote it, e.g. version: \"{version}\""
-        )
-    version = version_override or (str(version) if version is not None else None)
+    if version is not None and not isinstance(version, str) and not version_override:
+        written = _written_text(text, ("application", "version"))
+        raise PackagingError(f"{path}: application.version {written} was read by YAML as {version!r}, not as the "
+                             f"text written (010 is octal, 1.10 is 1.1); quote it: version: \"{written}\"")
+    version = version_override or version
     if not version:
         raise PackagingError(f"{path}: required field application.version is missing (or pass --version)")
 
@@ -169,7 +213,7 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
         version=version,
         input_formats=_string_list(application.get("input-formats"), f"{path}: application.input-formats"),
         output_formats=_string_list(application.get("output-formats"), f"{path}: application.output-formats"),
-        pip_packages=_string_list(application.get("pip-packages"), f"{path}: application.pip-packages"),
+        pip_packages=_requirements(application.get("pip-packages"), path),
         resources=_check_resources(data["resources"], path),
         raw=data,
     )

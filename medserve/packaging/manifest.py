@@ -64,8 +64,9 @@ def find_app(path: Path) -> AppSource:
 
 
 def _is_bundle(path: Path) -> bool:
-    return (path / "configs").is_dir() and ((path / "models").is_dir()
-                                            or (path / "configs" / "metadata.json").is_file())
+    """A folder with configs/ is meant as a bundle, even one that lacks models/ or metadata.json: it is checked,
+    not packaged as a folder of two "models"."""
+    return (path / "configs").is_dir()
 
 
 def _checked_bundle(path: Path) -> Path:

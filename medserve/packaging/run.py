@@ -219,11 +219,15 @@ def shared_memory_bytes(pkg: dict[str, Any]) -> int:
     if isinstance(resources, dict):  # holoscan-cli expects a mapping of fragments, not null
         pkg = {**pkg, "resources": {**resources, "fragments": resources.get("fragments") or {}}}
     try:
-        return int(get_shared_memory_size(pkg, False, False, None, "config"))
-    except (InvalidSharedMemoryValueError, TypeError, AttributeError, ValueError) as error:
+        size = int(get_shared_memory_size(pkg, False, False, None, "config"))
+    except (InvalidSharedMemoryValueError, TypeError, AttributeError, ValueError, OverflowError) as error:
         reason = str(error).strip().rstrip(".")  # holoscan-cli's own messages end with ". "
         raise PackagingError(f"pkg.json resources.sharedMemory: {reason}. Expected a size such as 1Gi, 512Mi or "
                              "2GB") from error
+    if size <= 0:  # --shm-size 0 is no limit at all under podman
+        raise PackagingError(f"pkg.json resources.sharedMemory: comes to {size} bytes. Expected a size such as "
+                             "1Gi, 512Mi or 2GB, above zero")
+    return size
 
 
 def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str, Any]) -> list[str]:

@@ -77,7 +77,7 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
         ({"application": {"title": "T", "version": "1"}, "resources": {"gpu": "one"}}, "resources.gpu"),
         ({"application": {"title": "T", "version": "1"}, "resources": {"memory": "lots"}}, "resources.memory"),
         ({"application": {"title": "T", "version": "1"}, "resources": {"sharedMemory": "1.2.3Gi"}},
-         "resources.sharedMemory must be a size like '2Gi', '512Mi', '1GB', got '1.2.3Gi'"),
+         "resources.sharedMemory must be a size above zero like '2Gi', '512Mi', '1GB', got '1.2.3Gi'"),
         ({"application": {"title": "T", "version": "1"}, "resources": {"sharedMemory": "..Gi"}},
          "resources.sharedMemory must be a size"),
         ({"application": {"title": "T", "version": "1"}, "resources": {"shared_memory": "8Gi"}},
@@ -93,7 +93,39 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
         ("application:\n  title: x\n   bad: [\n", "not valid YAML: mapping values are not allowed here (line 3, "
                                                   "column 7)"),
         ("application: {title: T, version: 1.10}\nresources: {}\n",
-         'application.version 1.1 was read by YAML as a number (1.10 becomes 1.1); quote it'),
+         'application.version 1.10 was read by YAML as 1.1, not as the text written'),
+        # Ints and booleans were kept as str(): 010 became "8" in the labels and manifests.
+        ("application: {title: T, version: 010}\nresources: {}\n",
+         'application.version 010 was read by YAML as 8, not as the text written (010 is octal, 1.10 is 1.1); '
+         'quote it: version: "010"'),
+        ("application:\n  title: T\n  version: true\nresources: {}\n", 'version true was read by YAML as True'),
+        # Keys YAML reads as numbers were tracebacks (AttributeError, TypeError).
+        ("application: {title: T, version: '1'}\nresources: {1: 2}\n", "resources key 1 is not a name"),
+        ("application: {5: x, title: T, version: '1'}\nresources: {}\n", "application key 5 is not a name"),
+        ("application: [a]\nresources: {}\n", "'application' must be a mapping (title, version, input-formats, "
+                                               "...), got ['a']"),
+        ("application: {title: \"a\\nb\", version: '1'}\nresources: {}\n",
+         "application.title 'a\\nb' must be one line of printable text"),
+        # Amounts that made pkg.json invalid JSON (Infinity, NaN), or an unlimited /dev/shm (-1).
+        ("application: {title: T, version: '1'}\nresources: {cpu: .inf}\n",
+         "resources.cpu must be a positive number, got inf"),
+        ("application: {title: T, version: '1'}\nresources: {cpu: true}\n", "resources.cpu must be a positive"),
+        ("application: {title: T, version: '1'}\nresources: {memory: -4}\n",
+         "resources.memory must be a size above zero like '2Gi', '512Mi', '1GB', got -4"),
+        ("application: {title: T, version: '1'}\nresources: {memory: 0Gi}\n", "resources.memory must be a size"),
+        ("application: {title: T, version: '1'}\nresources: {sharedMemory: -1}\n",
+         "resources.sharedMemory must be a size"),
+        ("application: {title: T, version: '1'}\nresources: {sharedMemory: .nan}\n",
+         "resources.sharedMemory must be a size"),
+        ("application: {title: T, version: '1'}\nresources: {fragments: {f: {cpu: -3}}}\n",
+         "resources.fragments.f.cpu must be a positive number"),
+        ("application: {title: T, version: '1'}\nresources: {fragments: {f: {gpu: banana}}}\n",
+         "resources.fragments.f.gpu must be a whole number >= 0"),
+        ("application: {title: T, version: '1'}\nresources: {fragments: {f: {gpu_memory: 1Gi}}}\n",
+         "resources.fragments.f.gpu_memory is snake_case; the MAP runner reads resources.fragments.f.gpuMemory"),
+        # pip failed inside the build, naming the image's requirements file.
+        ("application: {title: T, version: '1', pip-packages: ['nibabel==5.3.2  # pinned', 'not a req !!']}\n"
+         "resources: {}\n", "application.pip-packages item 2, 'not a req !!', is not a requirement pip can read"),
     ],
 )
 def test_bad_app_yaml_names_file_and_field(tmp_path: Path, data: object, message: str) -> None:
@@ -103,6 +135,18 @@ def test_bad_app_yaml_names_file_and_field(tmp_path: Path, data: object, message
     assert message in str(error.value)
     assert str(path) in str(error.value) and "\n" not in str(error.value)
     assert isinstance(error.value, MedserveError)
+
+
+def test_requirements_pip_reads_and_app_sections_misplaced_at_the_top(tmp_path: Path, caplog) -> None:
+    """Options, paths and comments in pip-packages are pip's to read; application keys written at the top level
+    (where the packager ignores them) are named in a warning; other top-level sections may configure the app."""
+    packages = ["nibabel==5.3.2  # pinned", "--extra-index-url https://example.org/simple", "./wheels/x.whl", ""]
+    path = write(tmp_path, {**GOOD, "application": {**GOOD["application"], "pip-packages": packages},
+                            "pip-packages": ["x"], "segmenter": {"roi": 96}})
+    with caplog.at_level("WARNING", logger="medserve.packaging.config"):
+        assert read_app_config(path).pip_packages == packages
+    assert caplog.messages == [f"{path}: pip-packages at the top level is ignored by the packager; it belongs under "
+                               "application"]
 
 
 def test_missing_app_yaml(tmp_path: Path) -> None:
@@ -138,11 +182,21 @@ def test_bundle_dir_is_one_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("inside", [False, True])
-def test_a_bundle_the_app_could_not_load_is_not_packaged(tmp_path: Path, inside: bool) -> None:
+@pytest.mark.parametrize(("remove", "reason"), [
+    (["models/model.pt"], r"no weights; expected models/model.pt or models/model.ts"),
+    # Only configs/inference.json: it was packaged as a model named "configs", and failed when the MAP ran.
+    (["models/model.pt", "models", "configs/metadata.json"], r"configs/metadata.json is missing"),
+], ids=["no-weights", "configs-only"])
+def test_a_bundle_the_app_could_not_load_is_not_packaged(tmp_path: Path, inside: bool, remove: list[str],
+                                                         reason: str) -> None:
     bundle = make_bundle(tmp_path / "models")
-    (bundle / "models" / "model.pt").unlink()
-    with pytest.raises(PackagingError, match=r"models path .*demo: not a usable MONAI bundle \(bundle .*demo: no "
-                                             r"weights; expected models/model.pt or models/model.ts\)"):
+    for name in remove:
+        if (bundle / name).is_dir():
+            (bundle / name).rmdir()
+        else:
+            (bundle / name).unlink()
+    with pytest.raises(PackagingError, match=rf"models path .*demo: not a usable MONAI bundle \(bundle .*demo: "
+                                             rf"{reason}\)"):
         prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1",
                                models=tmp_path / "models" if inside else bundle))
 

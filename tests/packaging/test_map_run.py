@@ -135,9 +135,10 @@ def test_shared_memory_in_bytes_as_monai_deploy_reads_it(resources: dict, size: 
     assert argv[argv.index("--shm-size") + 1] == size
 
 
-@pytest.mark.parametrize("value", ["lots", "1.2.3Gi"])
-def test_unreadable_shared_memory_is_one_error_naming_the_field(value: str) -> None:
-    """Also for a MAP packaged by another tool, whose pkg.json holds what our app.yaml checks would refuse."""
+@pytest.mark.parametrize("value", ["lots", "1.2.3Gi", float("inf"), -1, "0Mi"])
+def test_unreadable_shared_memory_is_one_error_naming_the_field(value: str | float) -> None:
+    """Also for a MAP packaged by another tool, whose pkg.json holds what our app.yaml checks would refuse
+    (Infinity was an OverflowError traceback; -1 and 0 became --shm-size 0, no limit under podman)."""
     with pytest.raises(PackagingError, match=r"^pkg.json resources.sharedMemory: .*Expected a size such as"):
         run_argv(RunRequest("img:1", None, None), "podman", APP_JSON, {"resources": {"sharedMemory": value}})
 
