@@ -20,7 +20,8 @@ from holoscan_cli.packager.parameters import PackageBuildParameters
 from medserve.errors import MedserveError, PackagingError
 from medserve.packaging.build import PackageRequest, prepare
 from medserve.packaging.config import read_app_config
-from medserve.packaging.containerfile import TORCH_CPU_INDEX, PipIndexes, pip_config, render, user_setup
+from medserve.packaging.containerfile import (TORCH_CPU_INDEX, PipIndexes, pip_config, render, torch_check,
+                                              user_setup)
 from medserve.packaging.context import (CA_BUNDLE_VARIABLES, CUDA_RUNTIME_PIN, app_requirements, host_ca_bundle,
                                         host_pip_indexes, write_context)
 from medserve.packaging.manifest import (PLATFORMS, app_manifest, find_app, package_manifest, scan_models,
@@ -287,9 +288,22 @@ def test_containerfile_variants(tmp_path: Path) -> None:
     cpu_file, cuda_file = render(cpu, False, "f"), render(cuda, False, "f")
     assert f"extra-index-url = {TORCH_CPU_INDEX}" in pip_config(cpu, PipIndexes(), False)
     assert TORCH_CPU_INDEX not in pip_config(cuda, PipIndexes(), False)
-    assert "CPU variant got a CUDA torch build" in cpu_file
-    assert "CPU variant got a CUDA torch build" not in cuda_file
+    assert torch_check("cpu") in cpu_file and torch_check("cuda") in cuda_file
     assert 'ENTRYPOINT ["/var/holoscan/tools"]' in cpu_file
+
+
+def test_each_variant_checks_the_torch_build_it_installed() -> None:
+    """Run as the build runs them, against this venv's torch: the check of the other variant than this torch's
+    fails naming the mismatch (a --wheel-dir holding the CPU wheel made a "cuda" image without a word)."""
+    import torch
+
+    here = "cuda" if torch.version.cuda else "cpu"
+    other = {"cpu": "cuda", "cuda": "cpu"}[here]
+    environment = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    assert subprocess.run(["sh", "-c", torch_check(here)], env=environment).returncode == 0
+    refused = subprocess.run(["sh", "-c", torch_check(other)], env=environment, capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert refused.stderr.strip() == f"{other.upper()} variant got a {here.upper()} torch build"
 
 
 def _requirements(tmp_path: Path, lines: str, pip_packages: list[str] | None = None) -> list[str]:
