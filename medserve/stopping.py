@@ -19,7 +19,8 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
@@ -47,3 +48,34 @@ def watch_stop_signals(clean_up: Callable[[signal.Signals], None]) -> bool:
 
     threading.Thread(target=watch, name="stop-signals", daemon=True).start()
     return True
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a closed terminal), handled like Ctrl-C; `signum` gives the exit status 128 + N."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def termination_as_interrupt() -> Iterator[None]:
+    """For the CLI's container commands (package, push, run, inspect), which run no Holoscan graph: SIGTERM and
+    SIGHUP raise Terminated where the code is, so the clean-up that Ctrl-C runs (temporary folders, containers)
+    runs for them too, instead of the process dying with its containers and build context left behind."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Terminated(signum)
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in _TERMINATING}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

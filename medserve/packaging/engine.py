@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Callable, Sequence
 
@@ -76,13 +77,34 @@ def stream(argv: Sequence[str], what: str, on_line: Callable[[str], None], env: 
     with subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                           bufsize=1) as process:
         assert process.stdout is not None
-        for line in process.stdout:
-            line = line.rstrip("\n")
-            tail = (tail + [line])[-15:]
-            on_line(line)
+        try:
+            for line in process.stdout:
+                line = line.rstrip("\n")
+                tail = (tail + [line])[-15:]
+                on_line(line)
+        except BaseException:
+            _interrupt(process)
+            raise
         code = process.wait()
     if code != 0:
         raise PackagingError(f"{what} failed ({argv[0]} exit {code}):\n" + "\n".join(tail))
+
+
+def _interrupt(process: subprocess.Popen, on_its_own: float = 2.0, cleaning_up: float = 30.0) -> None:
+    """End a tool we were interrupted in, as Ctrl-C in a terminal ends it, so that it removes its working
+    containers: a SIGTERM to us alone left buildah running pip, orphaned, and its containers behind. A tool that
+    got the terminal's Ctrl-C too is given a moment to end on its own first."""
+    try:
+        process.wait(timeout=on_its_own)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=cleaning_up)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def registry_host(reference: str) -> str | None:

@@ -10,15 +10,11 @@ import posixpath
 import re
 import resource
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +22,7 @@ from typing import Any
 from medserve.errors import PackagingError
 from medserve.packaging import engine, layout, registry
 from medserve.packaging.manifest import requested_gpus
+from medserve.stopping import termination_as_interrupt
 
 logger = logging.getLogger("medserve.packaging.run")
 
@@ -117,8 +114,23 @@ def read_manifests(image: str, tool: str) -> tuple[dict[str, Any], dict[str, Any
                 except json.JSONDecodeError as error:
                     raise PackagingError(f"{image}: {path} is not valid JSON: {error}") from error
     finally:
-        subprocess.run([*engine.base_command(tool), "rm", "-f", container], capture_output=True)
+        _remove_until_gone(tool, container)
     return manifests[0], manifests[1]
+
+
+def _remove_until_gone(tool: str, container: str, patience: float = 15.0) -> None:
+    """Remove a container, again every half second while the engine refuses: a `cp` killed by an interruption
+    can leave it locked for a moment (podman then shows it as "Removing" for good)."""
+    deadline = time.monotonic() + patience
+    while True:
+        removed = subprocess.run([*engine.base_command(tool), "rm", "-f", container], capture_output=True, text=True)
+        if removed.returncode == 0 or "no such container" in removed.stderr.lower():  # docker's for one gone
+            return
+        if time.monotonic() > deadline:
+            logger.warning("could not remove container %s: %s", container,
+                           (removed.stderr.strip().splitlines() or ["no reason given"])[-1])
+            return
+        time.sleep(0.5)
 
 
 def image_config(image: str, tool: str) -> dict[str, Any]:
@@ -308,34 +320,6 @@ def app_exit_code(container_code: int, log: str) -> int:
     return int(logged[-1]) if logged else 0
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP (a closed terminal), handled like Ctrl-C; `signum` gives the exit status 128 + N."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-_TERMINATING = (signal.SIGTERM, signal.SIGHUP)
-
-
-@contextmanager
-def _termination_as_interrupt() -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise Terminated(signum)
-
-    previous = {signum: signal.signal(signum, interrupt) for signum in _TERMINATING}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 def run(request: RunRequest) -> int:
     """Run the MAP in the foreground, echoing its log; returns the app's exit status. Ctrl-C, SIGTERM or SIGHUP
     removes the container before KeyboardInterrupt goes on: the engine passes the signal to the official entrypoint
@@ -343,7 +327,7 @@ def run(request: RunRequest) -> int:
     last_exit_line = ""
     # The engine once: the removals below must not ask `docker info` again each time.
     request = replace(request, engine=engine.pick(request.engine, "podman"))
-    with _termination_as_interrupt():
+    with termination_as_interrupt():
         argv = prepare(request)  # an interruption here: the manifests' container is removed on the way out
         logger.info("running: %s", " ".join(argv))
         # Not `with Popen(...)`: its exit waits for the engine after any interruption but Ctrl-C's own class.

@@ -9,7 +9,10 @@ import json
 import logging
 import os
 import resource
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ from medserve.packaging import engine, registry
 from medserve.packaging import run as map_run
 from medserve.errors import PackagingError
 from medserve.packaging.run import RunRequest, run_argv, ulimits
+from medserve.stopping import Terminated
 
 APP_JSON = {"workingDirectory": "/var/holoscan", "input": {"path": "input/"}, "output": {"path": "output/"},
             "environment": {"HOLOSCAN_INPUT_PATH": "input/", "HOLOSCAN_OUTPUT_PATH": "output/"}}
@@ -189,11 +193,33 @@ def test_the_manifests_container_is_removed_when_its_creation_is_interrupted(mon
 
     monkeypatch.setattr(map_run, "ensure_image", lambda image, tool: None)
     monkeypatch.setattr(engine, "run", interrupted_create)
-    monkeypatch.setattr(map_run.subprocess, "run", lambda argv, **kwargs: removed.append(argv))
+    monkeypatch.setattr(map_run.subprocess, "run",
+                        lambda argv, **kwargs: removed.append(argv) or subprocess.CompletedProcess(argv, 0, "", ""))
     with pytest.raises(KeyboardInterrupt):
         map_run.read_manifests("localhost/seg:1", "podman")
     assert len(created) == 1 and created[0].startswith("medserve-manifest-")
     assert removed and removed[-1][-3:] == ["rm", "-f", created[0]]
+
+
+def test_the_manifests_container_is_removed_again_while_the_engine_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `podman cp` killed by Ctrl-C can leave the container locked: one `rm -f` failed and left it "Removing"
+    (1 run in 5 of a probe); the removal is retried until it succeeds or the container is gone."""
+    answers = iter([(125, "Error: container state improper"), (125, "Error: container state improper"), (0, "")])
+    calls: list[list[str]] = []
+
+    def engine_rm(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        calls.append(argv)
+        code, stderr = next(answers)
+        return subprocess.CompletedProcess(argv, code, "", stderr)
+
+    monkeypatch.setattr(map_run.subprocess, "run", engine_rm)
+    monkeypatch.setattr(map_run.time, "sleep", lambda seconds: None)
+    map_run._remove_until_gone("podman", "medserve-manifest-x")
+    assert [argv[-3:] for argv in calls] == [["rm", "-f", "medserve-manifest-x"]] * 3
+    calls.clear()
+    answers = iter([(1, "Error response from daemon: No such container: medserve-manifest-x")])
+    map_run._remove_until_gone("docker", "medserve-manifest-x")
+    assert len(calls) == 1
 
 
 def test_a_missing_local_image_is_refused_not_pulled_from_localhost(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -260,3 +286,45 @@ print("sha256:1234")
     assert base64.b64decode(seen["config"]["auths"]["registry.corp:5000"]["auth"]) == b"alice:s3cret"
     assert not Path(seen["folder"]).exists()
     assert "s3cret" not in " ".join(seen["args"])
+
+
+def test_an_interrupted_build_stops_the_builder_so_it_cleans_up(tmp_path: Path) -> None:
+    """A SIGTERM to medserve alone left buildah running pip, orphaned, with its working containers: the builder
+    is now sent the Ctrl-C a terminal would send it, and waited for while it cleans up."""
+    cleaned = tmp_path / "cleaned"
+    builder = ("import signal, sys, time\n"
+               f"signal.signal(signal.SIGINT, lambda *a: (open({str(cleaned)!r}, 'w').close(), sys.exit(1)))\n"
+               "print('STEP 1/9: FROM base', flush=True)\n"
+               "time.sleep(60)\n")
+
+    def interrupted(line: str) -> None:
+        raise Terminated(signal.SIGTERM)
+
+    started = time.monotonic()
+    with pytest.raises(Terminated):
+        engine.stream([sys.executable, "-c", builder], "building x:1", interrupted)
+    assert cleaned.exists() and time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(("command", "signum"), [("package", signal.SIGTERM), ("inspect", signal.SIGHUP),
+                                                 ("push", signal.SIGTERM)])
+def test_sigterm_and_sighup_end_the_container_commands_as_ctrl_c_does(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture, command: str,
+        signum: signal.Signals) -> None:
+    """They killed `medserve package` and `inspect` outright (exit -15, no message), leaving the build context,
+    buildah's containers or the manifests' container: now the clean-up runs, as for Ctrl-C."""
+    from medserve.packaging import build
+
+    def signalled(*args: object, **kwargs: object) -> None:
+        os.kill(os.getpid(), signum)
+        time.sleep(10)
+        raise AssertionError("the signal did not interrupt the command")
+
+    monkeypatch.setattr(build, "package", signalled)
+    monkeypatch.setattr(map_run, "inspect", signalled)
+    monkeypatch.setattr(registry, "push", signalled)
+    argv = {"package": ["package", str(tmp_path), "-c", "app.yaml", "-t", "localhost/x:1"], "inspect": ["inspect", "localhost/x:1"],
+            "push": ["push", "localhost/x:1", "127.0.0.1:5999/x:1"]}[command]
+    assert cli_main(argv) == 128 + signum
+    assert capsys.readouterr().err == f"error: interrupted by {signal.Signals(signum).name}\n"
+    assert signal.getsignal(signum) is signal.SIG_DFL  # put back afterwards
