@@ -86,8 +86,9 @@ def stream(argv: Sequence[str], what: str, on_line: Callable[[str], None], env: 
             _interrupt(process)
             raise
         code = process.wait()
-    if code != 0:
-        raise PackagingError(f"{what} failed ({argv[0]} exit {code}):\n" + "\n".join(tail))
+    if code != 0:  # the tool's last lines, on the error's one line; the whole output is in the debug log
+        shown = [line if len(line) <= 240 else line[:240] + "..." for line in tail[-6:] if line.strip()]
+        raise PackagingError(f"{what} failed ({argv[0]} exit {code}): " + " | ".join(shown))
 
 
 def _interrupt(process: subprocess.Popen, on_its_own: float = 2.0, cleaning_up: float = 30.0) -> None:

@@ -328,3 +328,17 @@ def test_sigterm_and_sighup_end_the_container_commands_as_ctrl_c_does(
     assert cli_main(argv) == 128 + signum
     assert capsys.readouterr().err == f"error: interrupted by {signal.Signals(signum).name}\n"
     assert signal.getsignal(signum) is signal.SIG_DFL  # put back afterwards
+
+
+def test_a_failed_build_is_one_error_line_with_the_builders_last_lines() -> None:
+    """It was the last 15 lines joined by escaped newlines: 2.9 KB on one line for a bad pip requirement."""
+    builder = ("import sys\n"
+               "for n in range(30): print(f'STEP {n}: ' + 'x' * 500)\n"
+               "print('ERROR: Invalid requirement: not a req !!'); print('error building at STEP 9: exit status 1')\n"
+               "sys.exit(1)\n")
+    with pytest.raises(PackagingError) as failed:
+        engine.stream([sys.executable, "-c", builder], "building x:1", lambda line: None)
+    message = str(failed.value)
+    assert message.startswith(f"building x:1 failed ({sys.executable} exit 1): STEP 26: xxx")
+    assert message.endswith(" | ERROR: Invalid requirement: not a req !! | error building at STEP 9: exit status 1")
+    assert "\n" not in message and len(message) < 1600
