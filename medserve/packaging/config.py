@@ -158,6 +158,8 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 def read_app_config(path: Path, version_override: str | None = None) -> AppConfig:
     """Parse and validate app.yaml; every error names the file and the field."""
     path = Path(path)
+    if path.is_dir():
+        raise PackagingError(f"application config {path} is a folder; expected the app.yaml file")
     if not path.is_file():
         raise PackagingError(f"application config not found: {path}")
     try:

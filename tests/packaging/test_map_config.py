@@ -153,6 +153,8 @@ def test_requirements_pip_reads_and_app_sections_misplaced_at_the_top(tmp_path: 
 def test_missing_app_yaml(tmp_path: Path) -> None:
     with pytest.raises(PackagingError, match="application config not found"):
         read_app_config(tmp_path / "nope.yaml")
+    with pytest.raises(PackagingError, match=rf"^application config {tmp_path} is a folder; expected the app.yaml"):
+        read_app_config(tmp_path)
 
 
 def test_app_dir_without_app_py(tmp_path: Path) -> None:
