@@ -323,8 +323,8 @@ def test_sigterm_and_sighup_end_the_container_commands_as_ctrl_c_does(
     monkeypatch.setattr(build, "package", signalled)
     monkeypatch.setattr(map_run, "inspect", signalled)
     monkeypatch.setattr(registry, "push", signalled)
-    argv = {"package": ["package", str(tmp_path), "-c", "app.yaml", "-t", "localhost/x:1"], "inspect": ["inspect", "localhost/x:1"],
-            "push": ["push", "localhost/x:1", "127.0.0.1:5999/x:1"]}[command]
+    argv = {"package": ["package", str(tmp_path), "-c", "app.yaml", "-t", "localhost/x:1"],
+            "inspect": ["inspect", "localhost/x:1"], "push": ["push", "localhost/x:1", "127.0.0.1:5999/x:1"]}[command]
     assert cli_main(argv) == 128 + signum
     assert capsys.readouterr().err == f"error: interrupted by {signal.Signals(signum).name}\n"
     assert signal.getsignal(signum) is signal.SIG_DFL  # put back afterwards
