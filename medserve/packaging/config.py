@@ -124,12 +124,14 @@ def _check_size(value: Any, where: str) -> None:
         raise PackagingError(f"{where} must be a size above zero like '2Gi', '512Mi', '1GB', got {value!r}")
 
 
-def _written_text(text: str, keys: tuple[str, ...]) -> str:
-    """A scalar as the file spells it (YAML's loader turns `010` into 8), found by its keys."""
+def _written_text(text: str, keys: tuple[str, ...], loaded: Any) -> str:
+    """A scalar as the file spells it (YAML's loader turns `010` into 8), found by its keys; as loaded where the
+    file does not spell it under those keys (a merge key, `<<: *defaults`, brought it in)."""
     node = yaml.compose(text)
     for key in keys:
-        node = next(value for name, value in node.value if name.value == key)
-    return node.value
+        node = next((value for name, value in getattr(node, "value", ()) if getattr(name, "value", None) == key),
+                    None)
+    return node.value if isinstance(node, yaml.ScalarNode) else str(loaded)
 
 
 def _requirements(value: Any, path: Path) -> list[str] | None:
@@ -202,7 +204,7 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
         raise PackagingError(f"{path}: application.title {title!r} must be one line of printable text")
     version = application.get("version")
     if version is not None and not isinstance(version, str) and not version_override:
-        written = _written_text(text, ("application", "version"))
+        written = _written_text(text, ("application", "version"), version)
         raise PackagingError(f"{path}: application.version {written} was read by YAML as {version!r}, not as the "
                              f"text written (010 is octal, 1.10 is 1.1); quote it: version: \"{written}\"")
     version = version_override or version

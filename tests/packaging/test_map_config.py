@@ -100,6 +100,8 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
          'application.version 010 was read by YAML as 8, not as the text written (010 is octal, 1.10 is 1.1); '
          'quote it: version: "010"'),
         ("application:\n  title: T\n  version: true\nresources: {}\n", 'version true was read by YAML as True'),
+        ("defaults: &d {version: 010}\napplication:\n  <<: *d\n  title: T\nresources: {}\n",
+         "application.version 8 was read by YAML as 8"),  # brought in by a merge key: shown as loaded
         # Keys YAML reads as numbers were tracebacks (AttributeError, TypeError).
         ("application: {title: T, version: '1'}\nresources: {1: 2}\n", "resources key 1 is not a name"),
         ("application: {5: x, title: T, version: '1'}\nresources: {}\n", "application key 5 is not a name"),
