@@ -531,6 +531,36 @@ def test_an_output_channel_without_a_name_is_refused_naming_the_channel(tmp_path
         BundlePredictor.from_dir(bundle, device="cpu")
 
 
+@pytest.mark.parametrize("key", ["70000", "background", "-1", "1.0", "01", "\u0661"])
+def test_an_output_channel_whose_key_is_not_a_channel_number_is_refused_naming_it(tmp_path, threshold_bundle, key):
+    """"70000" stopped the run after the inference with an internal error from highdicom (exit 1); names, "-1" and
+    "1.0" were dropped without a word (a segment called "label 1"), "01" overwrote or was overwritten by "1"."""
+    bundle = tmp_path / "keys"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata_path = bundle / "configs" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["network_data_format"]["outputs"]["pred"]["channel_def"] = {"0": "background", key: "spleen"}
+    metadata_path.write_text(json.dumps(metadata))
+    with pytest.raises(BundleError, match=rf'^{re.escape(str(metadata_path))}: network_data_format.outputs.pred.'
+                                          rf'channel_def\[{re.escape(json.dumps(key))}\]: the key is not a channel '
+                                          r'number; expected a whole number 0..65535 written without leading zeros$'):
+        BundlePredictor.from_dir(bundle, device="cpu")
+
+
+def test_label_names_come_from_pred_when_the_metadata_lists_another_output_first(tmp_path, threshold_bundle):
+    """The first listed output's channel_def named the segments: an auxiliary output before `pred` took them."""
+    bundle = tmp_path / "aux"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata_path = bundle / "configs" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    outputs = metadata["network_data_format"]["outputs"]
+    metadata["network_data_format"]["outputs"] = {"aux": {"type": "image", "channel_def": {"0": "x"}}, **outputs}
+    metadata_path.write_text(json.dumps(metadata))
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    assert predictor.output_key == "pred"
+    assert predictor.labels == BundlePredictor.from_dir(threshold_bundle, device="cpu").labels != {}
+
+
 def test_a_bundle_given_as_the_working_directory_is_named_by_its_folder(threshold_bundle, monkeypatch):
     monkeypatch.chdir(threshold_bundle)
     assert BundlePredictor.from_dir(".", device="cpu").name == threshold_bundle.name
@@ -663,6 +693,51 @@ def test_numpy_predictions_give_the_tensor_prediction(tmp_path, threshold_bundle
     bundle = edited_bundle(tmp_path / "numpy_output", appended_to_postprocessing(step))
     np.testing.assert_array_equal(BundlePredictor.from_dir(bundle, device="cpu").predict(volume), expected)
     assert not [w for w in recwarn if "not writable" in str(w.message)]  # torch shares only arrays it may write
+
+
+def test_class_scores_made_nan_by_the_postprocessing_are_refused_before_the_argmax(tmp_path):
+    """Without the bundle's argmax, medserve's own took NaN scores as class 0: an empty SEG, exit 0."""
+    def edit(config):
+        transforms = config["postprocessing"]["transforms"]
+        transforms[:] = [t for t in transforms if t["_target_"] != "AsDiscreted"]
+        transforms.append({"_target_": "Lambdad", "keys": "pred", "func": "$lambda x: x * float('nan')"})
+
+    bundle = edited_bundle(tmp_path / "nan_scores", edit)
+    with pytest.raises(InferenceError, match=r"^bundle nan_scores: postprocessing returned NaN or infinite values "
+                                             r"in 'pred'; expected labels$"):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
+
+
+def test_a_network_whose_output_is_nan_is_refused_even_when_the_bundle_takes_the_argmax(tmp_path):
+    """NaN weights: the bundle's own AsDiscreted(argmax) made every voxel background, exit 0."""
+    broken = torch.nn.Conv3d(1, 2, 1)
+    with torch.no_grad():
+        broken.weight.fill_(float("nan"))
+    bundle = edited_bundle(tmp_path / "nan_weights", lambda config: None, weights=broken)
+    with pytest.raises(InferenceError, match=r"^bundle nan_weights: network/inferer \(SlidingWindowInferer\) "
+                                             r"returned NaN or infinite values on the input volume of shape "
+                                             r"\(24, 48, 48\) \(slice, row, column\); expected finite class scores"):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
+
+
+def test_a_prediction_that_lost_its_geometry_is_taken_on_the_input_grid_or_refused(tmp_path, threshold_bundle,
+                                                                                   caplog):
+    """Lambdad wraps a plain result in a MetaTensor with the identity affine: resampled from there, the organ
+    moved (227 of 5984 voxels kept, exit 0). Of the input's shape it is taken as on its grid (as SaveImaged would
+    write its voxels); of another shape nothing places it, and it is refused."""
+    volume, _ = phantom_volume()
+    expected = BundlePredictor.from_dir(threshold_bundle, device="cpu").predict(volume)
+    plain = {"_target_": "Lambdad", "keys": "pred", "func": "$lambda x: torch.as_tensor(x.numpy())"}
+    bundle = edited_bundle(tmp_path / "plain", appended_to_postprocessing(plain))
+    with caplog.at_level(logging.WARNING, logger="medserve.bundle"):
+        np.testing.assert_array_equal(BundlePredictor.from_dir(bundle, device="cpu").predict(volume), expected)
+    assert any("carries no geometry" in message for message in caplog.messages)
+    cut = {**plain, "func": "$lambda x: torch.as_tensor(x.numpy())[:, 2:]"}
+    bundle = edited_bundle(tmp_path / "cut", appended_to_postprocessing(cut))
+    with pytest.raises(InferenceError, match=r"^bundle cut: postprocessing returned 'pred' of shape \(1, 46, 48, "
+                                             r"24\) without its geometry .*; expected the input's spatial shape "
+                                             r"\(48, 48, 24\) \(X, Y, Z\)"):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
 
 
 class Raising(torch.nn.Module):

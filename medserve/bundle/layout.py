@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from medserve.errors import BundleError
+from medserve.writers.labels import MAX_LABEL
 
 INFERENCE_CONFIG_NAMES = ("inference.json", "inference.yaml", "inference.yml")
 WEIGHT_NAMES = ("model.pt", "model.ts")
@@ -40,8 +41,10 @@ class BundleLayout:
 
     @property
     def output_key(self) -> str:
+        """`pred`, the name the bundle format gives the network's output, when the metadata lists it (beside an
+        auxiliary output listed first, say); else the one output it lists."""
         outputs = self.metadata.get("network_data_format", {}).get("outputs", {})
-        return next(iter(outputs), "pred")
+        return "pred" if "pred" in outputs else next(iter(outputs), "pred")
 
     def _channel_def(self) -> dict[str, Any]:
         outputs = self.metadata.get("network_data_format", {}).get("outputs", {})
@@ -61,11 +64,8 @@ class BundleLayout:
         index of each name (background, value 0, left out), or channel + 1 for a `multi_label` output."""
         shift = 1 if multi_label else 0
         labels = {}
-        for value, name in self._channel_def().items():
-            try:
-                number = int(value) + shift
-            except ValueError:
-                continue
+        for value, name in self._channel_def().items():  # keys checked by find(): channel numbers
+            number = int(value) + shift
             if number > 0:
                 labels[number] = str(name)
         return labels
@@ -111,9 +111,20 @@ def _check_data_format(metadata: dict[str, Any], path: Path) -> None:
             entry = _object(entry, path, f"{field}.{key}")
             if "channel_def" in entry:
                 channel_def = _object(entry["channel_def"], path, f"{field}.{key}.channel_def")
-                if section == "outputs":  # segment labels are made of these names
+                if section == "outputs":  # segment numbers and labels are made of these
                     for channel, name in channel_def.items():
-                        _name(name, path, f"{field}.{key}.channel_def[{json.dumps(channel)}]")
+                        where = f"{field}.{key}.channel_def[{json.dumps(channel)}]"
+                        _channel_number(channel, path, where)
+                        _name(name, path, where)
+
+
+def _channel_number(key: str, path: Path, field: str) -> None:
+    """A channel's number as the bundle format writes it ("0", "1", ...): a label value of the label map, so at
+    most 65535 (a DICOM segment number). A name, "-1", "1.0" or "01" (which "1" would overwrite) is refused
+    rather than its channel left nameless."""
+    if not (key.isdecimal() and key.isascii() and str(int(key)) == key and int(key) <= MAX_LABEL):
+        raise BundleError(f"{path}: {field}: the key is not a channel number; expected a whole number 0..{MAX_LABEL} "
+                          "written without leading zeros")
 
 
 def _object(value: Any, path: Path, field: str) -> dict[str, Any]:

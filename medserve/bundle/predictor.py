@@ -269,7 +269,12 @@ class BundlePredictor:
                 data = self.preprocessing({self.image_key: self._as_loaded_image(volume)})
                 image = data[self.image_key]
             with self._stage(self._network_stage, on):
-                data[self.output_key] = self._network_output(image.unsqueeze(0))[0]
+                data[self.output_key] = output = self._network_output(image.unsqueeze(0))[0]
+            # Checked here, not after the postprocessing: an argmax there turns NaN scores into an empty label map.
+            # Summed in float64, whose range no finite scores reach, so one pass and no copy of the scores.
+            if output.is_floating_point() and not torch.isfinite(output.sum(dtype=torch.float64)):
+                raise InferenceError(f"bundle {self.name}: {self._network_stage} returned NaN or infinite values "
+                                     f"on {on}; expected finite class scores (are the weights damaged?)")
             if self.postprocessing is not None:
                 with self._stage("postprocessing", on), MaxIndicesArgmax():
                     data = self._postprocess(data)
@@ -366,7 +371,10 @@ class BundlePredictor:
 
     def _label_map(self, scores: torch.Tensor, volume: hd.Volume) -> np.ndarray:
         shape = tuple(volume.array.shape)
-        grid = scores.affine if isinstance(scores, MetaTensor) else None
+        if scores.is_floating_point() and not torch.isfinite(scores.sum(dtype=torch.float64)):
+            raise InferenceError(f"bundle {self.name}: postprocessing returned NaN or infinite values in "
+                                 f"'{self.output_key}'; expected labels")  # before an argmax makes them label 0
+        grid = self._grid(scores, shape)
         if scores.ndim == 4 and self.multi_label:  # one sigmoid mask too: left unthresholded, it is refused
             scores = self._masks_as_labels(scores)
         elif scores.ndim == 4 and scores.shape[0] > 1:
@@ -380,9 +388,6 @@ class BundlePredictor:
             raise BundleError(f"bundle {self.name}: postprocessing returned shape {values.shape} (X, Y, Z); "
                               f"expected the input's {shape[::-1]}: does its postprocessing invert the "
                               f"preprocessing (Invertd)?")
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
-            raise InferenceError(f"bundle {self.name}: postprocessing returned NaN or infinite values in "
-                                 f"'{self.output_key}'; expected labels")
         if values.size and (values.min() < 0 or values.max() > MAX_LABEL):
             raise BundleError(f"bundle {self.name}: label values {values.min()}..{values.max()} are outside "
                               f"0..{MAX_LABEL}")
@@ -392,6 +397,24 @@ class BundlePredictor:
         # as it lies. Writing the SEG and NIfTI of a 512x512x300 map took 4.0 s from the transposed view, 2.0 s
         # from a C-ordered copy, the copy included.
         return values.transpose(2, 1, 0).astype(np.uint16, order="C")
+
+    def _grid(self, scores: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The RAS affine the prediction carries, None where it carries none: a plain tensor or array, or a
+        MetaTensor with MetaTensor's default (identity) affine, which a transform such as Lambdad gives a plain
+        result (`torch.as_tensor(x.numpy())`). Such a prediction is taken as lying on the input's grid when its
+        shape is the input's, as SaveImaged would write its voxels; resampling it from the identity moved it
+        (227 voxels of a 5984-voxel organ kept). Of another shape, nothing says where it lies: refused."""
+        affine = scores.affine if isinstance(scores, MetaTensor) else None
+        if affine is None or not np.array_equal(np.asarray(affine), np.eye(4)):
+            return affine
+        if tuple(scores.shape[-3:]) != shape[::-1]:
+            raise InferenceError(f"bundle {self.name}: postprocessing returned '{self.output_key}' of shape "
+                                 f"{tuple(scores.shape)} without its geometry (an identity affine, as a transform "
+                                 f"returning a plain tensor leaves it); expected the input's spatial shape "
+                                 f"{shape[::-1]} (X, Y, Z), or a MetaTensor that keeps its affine")
+        log.warning("the prediction carries no geometry (an identity affine); taken as lying on the input's grid, "
+                    "whose shape it has", extra={"bundle": self.name})
+        return None
 
     def _on_input_grid(self, labels: torch.Tensor, affine: torch.Tensor, volume: hd.Volume) -> torch.Tensor:
         """Labels (X, Y, Z) whose RAS `affine` the postprocessing left as something other than the input's: moved
