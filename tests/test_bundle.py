@@ -314,9 +314,11 @@ def test_torchscript_saved_as_model_pt_is_refused_saying_to_rename_it(tmp_path, 
 @pytest.mark.parametrize("declared,message", [
     ({"num_channels": 4, "spatial_shape": [128, 128, 128]},
      r"num_channels is 4; medserve feeds a bundle one series, a single-channel image"),
+    ({"num_channels": "4"}, r'num_channels is "4"; expected a whole number \(1: medserve feeds a bundle one series'),
+    ({"num_channels": 4.0}, r"num_channels is 4.0; expected a whole number"),
     ({"num_channels": 1, "spatial_shape": [512, 512]}, r"spatial_shape \[512, 512\] is 2D; medserve feeds a bundle a "
                                                        r"3D volume"),
-], ids=["four-channels", "2d"])
+], ids=["four-channels", "a-string", "a-float", "2d"])
 def test_an_input_other_than_one_3d_image_is_refused_when_loading(tmp_path, threshold_bundle, declared, message):
     bundle = tmp_path / "other_input"
     shutil.copytree(threshold_bundle, bundle)
@@ -459,6 +461,30 @@ def test_malformed_config_is_refused_naming_the_file(tmp_path, threshold_bundle)
     (bundle / "configs" / "inference.json").write_text('{"network_def": {')
     with pytest.raises(BundleError, match="inference.json: cannot read config"):
         BundlePredictor.from_dir(bundle)
+
+
+@pytest.mark.parametrize(("text", "found"), [("[1, 2]", r"a list \(\[1, 2\]\)"), ("null", "null")])
+def test_a_config_that_is_not_a_mapping_is_refused_saying_what_it_is(tmp_path, threshold_bundle, text, found):
+    """It was "cannot read config (AttributeError: 'list' object has no attribute 'items')"."""
+    bundle = tmp_path / "listed"
+    shutil.copytree(threshold_bundle, bundle)
+    (bundle / "configs" / "inference.json").write_text(text)
+    with pytest.raises(BundleError, match=rf"inference.json: the config is {found}; expected a mapping of ids "
+                                          r"\(network_def, preprocessing, inferer, postprocessing, ...\)$"):
+        BundlePredictor.from_dir(bundle, device="cpu")
+
+
+@pytest.mark.parametrize(("network_def", "found"), [
+    ([1, 2], r"a list \(\[1, 2\]\)"), ("UNet", r"a str \('UNet'\)"), ("$1", r"an int \(1\)"),
+    ({"_target_": "monai.transforms.Identity"}, r"an Identity \(<monai.transforms.*\)"),
+], ids=["list", "string", "expression", "transform"])
+def test_a_network_def_that_builds_no_network_is_refused_saying_what_it_built(tmp_path, threshold_bundle,
+                                                                             network_def, found):
+    """It was an internal error (exit 1): "'list' object has no attribute 'load_state_dict'"."""
+    bundle = edited_bundle(tmp_path / "notanet", lambda config: config.update(network_def=network_def))
+    with pytest.raises(BundleError, match=rf"inference.json: network_def builds {found}; expected a "
+                                          r"torch.nn.Module \(a `_target_` naming a network class"):
+        BundlePredictor.from_dir(bundle, device="cpu")
 
 
 def test_config_without_network_is_refused(tmp_path, threshold_bundle):

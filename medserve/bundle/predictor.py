@@ -17,6 +17,7 @@ the stage, the volume's shape and the original error). `as_volume` takes the sto
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import threading
@@ -562,9 +563,13 @@ def _parse_config(layout: BundleLayout, device: torch.device) -> ConfigParser:
     parser = ConfigParser()
     try:
         parser.read_meta(str(layout.metadata_path))
-        parser.read_config(str(layout.config_path))
+        config = ConfigParser.load_config_file(str(layout.config_path))
     except Exception as error:  # json/yaml decoders raise their own types
         raise BundleError(f"{layout.config_path}: cannot read config ({type(error).__name__}: {error})") from error
+    if not isinstance(config, dict):
+        raise BundleError(f"{layout.config_path}: the config is {_described(config)}; expected a mapping of ids "
+                          f"(network_def, preprocessing, inferer, postprocessing, ...)")
+    parser.read_config(config)
     required = ("preprocessing", "inferer") if layout.weights_path.suffix == ".ts" else \
         ("network_def", "preprocessing", "inferer")  # TorchScript holds its network
     for key in required:
@@ -663,11 +668,20 @@ def write_random_weights(bundle: Path, seed: int = 0) -> Path:
 
 def build_network(config_path: Path, parser: ConfigParser) -> torch.nn.Module:
     """Instantiate network_def, dropping arguments MONAI has since removed when a published config passes them."""
+    network = _instantiated_network(config_path, parser)
+    if not isinstance(network, torch.nn.Module):  # a list, a string, a transform: it has no weights to load
+        raise BundleError(f"{config_path}: network_def builds {_described(network)}; expected a torch.nn.Module "
+                          f"(a `_target_` naming a network class, e.g. monai.networks.nets.UNet)")
+    return network
+
+
+def _instantiated_network(config_path: Path, parser: ConfigParser) -> Any:
     target = _target_name(parser["network_def"])
     try:
         return parser.get_parsed_content("network_def", instantiate=True, lazy=False)
     except Exception as error:  # any network constructor argument can be wrong
-        removed = [a for a in _REMOVED_NETWORK_ARGUMENTS.get(target, ()) if a in parser["network_def"]]
+        removed = [a for a in _REMOVED_NETWORK_ARGUMENTS.get(target, ())
+                   if isinstance(parser["network_def"], dict) and a in parser["network_def"]]
         if not removed:
             raise BundleError(f"{config_path}: cannot build network_def ({error})") from error
     log.warning("dropping network_def arguments %s: MONAI %s's %s no longer takes them", removed,
@@ -679,6 +693,15 @@ def build_network(config_path: Path, parser: ConfigParser) -> torch.nn.Module:
         return parser.get_parsed_content("network_def", instantiate=True, lazy=False)
     except Exception as error:  # any network constructor argument can be wrong
         raise BundleError(f"{config_path}: cannot build network_def ({error})") from error
+
+
+def _described(value: Any) -> str:
+    """What a config built or held, for an error line: its type and the start of its repr."""
+    if value is None:
+        return "null"
+    text, kind = on_one_line(repr(value)), type(value).__qualname__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    return f"{article} {kind} ({text if len(text) <= 60 else text[:57] + '...'})"
 
 
 def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.device) -> torch.nn.Module:
@@ -736,6 +759,9 @@ def _check_input_format(layout: BundleLayout) -> None:
         return
     channels, shape = image.get("num_channels"), image.get("spatial_shape")
     where = f"bundle {layout.name}: {layout.metadata_path.name} network_data_format.inputs"
+    if channels is not None and (not isinstance(channels, int) or isinstance(channels, bool)):
+        raise BundleError(f"{where} num_channels is {json.dumps(channels)}; expected a whole number (1: medserve "
+                          f"feeds a bundle one series)")
     if isinstance(channels, int) and channels != 1:
         raise BundleError(f"{where} num_channels is {channels}; medserve feeds a bundle one series, a single-channel "
                           f"image (a multi-sequence input needs its own app)")
