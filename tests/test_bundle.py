@@ -401,6 +401,25 @@ def test_file_transforms_named_by_reference_in_the_list_are_removed_too(tmp_path
     assert not (tmp_path / "saved").exists()
 
 
+def test_file_transforms_inside_a_nested_compose_are_removed_too(tmp_path, threshold_bundle):
+    """A SaveImaged in a Compose within the postprocessing wrote into the bundle folder, and stayed there; a
+    LoadImaged within one failed on the in-memory volume ("expected str ... not MetaTensor")."""
+    bundle = tmp_path / "nested"
+    shutil.copytree(threshold_bundle, bundle)
+    config = json.loads((bundle / "configs" / "inference.json").read_text())
+    preprocessing, postprocessing = config["preprocessing"]["transforms"], config["postprocessing"]["transforms"]
+    preprocessing[:2] = [{"_target_": "Compose", "transforms": preprocessing[:2]}]  # LoadImaged, EnsureChannelFirstd
+    saver = {**postprocessing[-1], "output_dir": str(tmp_path / "saved")}
+    config["saving"] = {"_target_": "Compose", "transforms": [saver]}
+    postprocessing[-1] = "@saving"
+    (bundle / "configs" / "inference.json").write_text(json.dumps(config))
+    volume, _ = phantom_volume(bone=False)
+    predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    assert predictor._expects_channel_first  # EnsureChannelFirstd is found inside the Compose too
+    assert dice(predictor.predict(volume), volume.array > THRESHOLD_HU) > 0.93
+    assert not (tmp_path / "saved").exists()
+
+
 _BUNDLE_NETWORK = """
 import torch
 

@@ -635,15 +635,46 @@ def _target_name(transform: Any) -> str:
 
 def _drop_transforms(parser: ConfigParser, section: str, prefixes: tuple[str, ...], layout: BundleLayout) -> None:
     """Remove the transforms whose class name starts with one of `prefixes`, written in the list or named there by
-    reference ("@load_image", defined elsewhere in the config)."""
-    kept = [t for t in _transform_list(parser, section, layout)
-            if not _target_name(_dereferenced(parser, t)).startswith(prefixes)]
-    parser[f"{section}#transforms"] = kept
+    reference ("@load_image", defined elsewhere in the config), also inside a nested Compose (or any transform
+    holding a `transforms` list): a SaveImaged there wrote into the bundle folder."""
+    parser[f"{section}#transforms"] = _without(parser, _transform_list(parser, section, layout), prefixes)
+
+
+def _without(parser: ConfigParser, transforms: list[Any], prefixes: tuple[str, ...],
+             inside: frozenset[int] = frozenset()) -> list[Any]:
+    kept = []
+    for transform in transforms:
+        written = _dereferenced(parser, transform)
+        if _target_name(written).startswith(prefixes):
+            continue
+        nested = _nested_list(parser, written, inside)
+        if nested is not None:  # changed in the config itself, where a reference to it points too
+            written["transforms"] = _without(parser, nested, prefixes, inside | {id(written)})
+        kept.append(transform)
+    return kept
 
 
 def _uses_transform(parser: ConfigParser, section: str, prefixes: tuple[str, ...]) -> bool:
-    return any(_target_name(_dereferenced(parser, t)).startswith(prefixes)
-               for t in _section_transforms(parser, section) or [])
+    return any(_target_name(t).startswith(prefixes) for t in _nested(parser, _section_transforms(parser, section)))
+
+
+def _nested(parser: ConfigParser, transforms: list[Any] | None, inside: frozenset[int] = frozenset()) -> Iterator[Any]:
+    """The transforms of a list, references followed, and those of the lists nested in them, in order."""
+    for transform in transforms or []:
+        written = _dereferenced(parser, transform)
+        yield written
+        nested = _nested_list(parser, written, inside)
+        if nested is not None:
+            yield from _nested(parser, nested, inside | {id(written)})
+
+
+def _nested_list(parser: ConfigParser, transform: Any, inside: frozenset[int]) -> list[Any] | None:
+    """The `transforms` list a Compose (OneOf, ...) holds, None for other transforms and for a Compose that holds
+    itself, which MONAI cannot build either."""
+    if not isinstance(transform, dict) or id(transform) in inside:
+        return None
+    nested = _dereferenced(parser, transform.get("transforms"))
+    return nested if isinstance(nested, list) else None
 
 
 def network_from_config(config_path: Path) -> torch.nn.Module:
