@@ -21,7 +21,7 @@ from medserve.bundle.predictor import BundlePredictor
 from medserve.dicom.index import index_folder, is_multiframe_dataset
 from medserve.dicom.select import first_selected, select_series
 from medserve.dicom.volume import LoadedSeries, load_series, lps_affine, multiframe_geometry
-from medserve.errors import NiftiInputError
+from medserve.errors import NiftiInputError, one_line
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
 
@@ -43,9 +43,10 @@ class StudyResult:
 
 
 def summary_line(segments: dict[str, int], seconds: float) -> str:
-    """The one-line result summary the app and the demo print."""
+    """The one-line result summary the app and the demo print; a bundle's label names written escaped where they
+    hold a newline, an escape sequence or a lone surrogate (which stdout could not even encode)."""
     found = ", ".join(f"{name}: {voxels} voxels" for name, voxels in segments.items()) or "none"
-    return f"{len(segments)} segment(s) found ({found}) in {seconds:.1f} s"
+    return one_line(f"{len(segments)} segment(s) found ({found}) in {seconds:.1f} s")
 
 
 def segment_counts(label_map: np.ndarray, labels: dict[int, str]) -> dict[str, int]:

@@ -470,3 +470,13 @@ def test_the_summary_counts_labels_that_share_a_name_apart() -> None:
     assert summary_line(counts, 1.0).startswith("3 segment(s) found (kidney (label 1): 8 voxels, ")
     # the same name for the same label in every study, whichever of the alike-named labels it holds
     assert segment_counts(np.where(label_map == 2, 2, 0), {1: "kidney", 2: "kidney"}) == {"kidney (label 2)": 4}
+
+
+def test_the_summary_stays_one_line_whatever_the_label_names_hold() -> None:
+    """Names from a bundle's metadata: a newline split the "one-line" summary, an escape sequence reached the
+    terminal, and a lone surrogate stopped the app after its outputs were written (UnicodeEncodeError, exit 1)."""
+    from medserve.pipeline import summary_line
+
+    line = summary_line({"spl\neen": 5, "liver\x1b[31m": 3, "\ud800": 1}, 1.0)
+    assert line == "3 segment(s) found (spl\\neen: 5 voxels, liver\\x1b[31m: 3 voxels, \\ud800: 1 voxels) in 1.0 s"
+    line.encode("utf-8")

@@ -137,6 +137,11 @@ def _name(value: Any, path: Path, field: str) -> None:
     if not isinstance(value, str) or not value.strip():
         found = "blank" if isinstance(value, str) else _object_found(value)
         raise BundleError(f"{path}: {field} is {found}; expected the name of what the channel holds")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:  # JSON's "\ud800": no file, response or terminal can carry it
+        raise BundleError(f"{path}: {field} holds {error.object[error.start:error.end]!r}, a lone surrogate; "
+                          "expected text") from error
 
 
 def _object_found(value: Any) -> str:
