@@ -693,6 +693,16 @@ def test_preprocessing_failure_names_the_transform_and_the_original_error(tmp_pa
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("raised", ["SystemExit(3)", "GeneratorExit()"])
+def test_a_bundle_transform_that_exits_is_a_failure_of_the_bundle(tmp_path, raised):
+    """`exit(3)` in a Lambdad ended the app with Holoscan's traceback, exit 3, and its output folder left."""
+    throw = {"_target_": "Lambdad", "keys": "image", "func": f"$lambda x: (_ for _ in ()).throw({raised})"}
+    bundle = edited_bundle(tmp_path / "exits", lambda c: c["preprocessing"]["transforms"].append(throw))
+    with pytest.raises(InferenceError, match=rf"^bundle exits: preprocessing failed on the input volume of shape "
+                                             rf"\(24, 48, 48\) \(slice, row, column\): {raised.split('(')[0]}"):
+        BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
+
+
 def test_postprocessing_failure_is_reported_as_such(tmp_path):
     bundle = edited_bundle(tmp_path / "bad_post", lambda c: c["postprocessing"]["transforms"].insert(
         0, {"_target_": "AsDiscreted", "keys": "probabilities"}))

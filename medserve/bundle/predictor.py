@@ -303,13 +303,15 @@ class BundlePredictor:
     def _stage(self, stage: str, on: str) -> Iterator[None]:
         """Turn an error of the bundle's components into a one-line BundleError; out of memory says so.
 
-        Only Exception is caught: KeyboardInterrupt and SystemExit pass through untouched.
+        A SystemExit or GeneratorExit raised by the bundle's code (`exit(3)` in a Lambdad) is its failure too: let
+        through, it ended the app with Holoscan's traceback and its output folder left behind. KeyboardInterrupt
+        passes through untouched.
         """
         try:
             yield
         except BundleError:
             raise
-        except Exception as error:  # torch and MONAI components raise any type
+        except (Exception, SystemExit, GeneratorExit) as error:  # torch and MONAI components raise any type
             where = f"bundle {self.name}: {stage} failed on {on}"
             memory = _out_of_memory(error)
             if memory == "gpu":
