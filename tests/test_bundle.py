@@ -806,6 +806,31 @@ class Raising(torch.nn.Module):
         raise self.error
 
 
+class Structured(torch.nn.Conv3d):
+    """The threshold network whose output comes wrapped, as deep-supervision or multi-head networks return it."""
+
+    def __init__(self, wrap):
+        super().__init__(1, 2, 1)
+        self.wrap = wrap
+
+    def forward(self, batch):
+        return self.wrap(super().forward(batch))
+
+
+@pytest.mark.parametrize(("wrap", "found"), [(lambda out: {"seg": out}, r"a dict \(keys 'seg'\)"),
+                                             (lambda out: (out, out), r"a tuple \(2 items\)")], ids=["dict", "tuple"])
+def test_a_network_whose_output_is_not_one_tensor_is_refused_saying_what_it_returned(threshold_bundle, wrap, found):
+    """A TorchScript network returning a dict was "KeyError: 0"; one returning a tuple failed later, in Invertd."""
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    network = Structured(wrap)
+    network.load_state_dict(predictor.network.state_dict())
+    predictor.network = network
+    with pytest.raises(InferenceError, match=r"^bundle threshold: network/inferer \(SlidingWindowInferer\) returned "
+                                             rf"{found} on the input volume of shape \(24, 48, 48\) \(slice, row, "
+                                             r"column\); expected one tensor of class scores$"):
+        predictor.predict(phantom_volume()[0])
+
+
 @pytest.mark.parametrize("error,expected", [
     (torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
      r"out of GPU memory on cpu \(OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB\); free GPU "

@@ -270,7 +270,14 @@ class BundlePredictor:
                 data = self.preprocessing({self.image_key: self._as_loaded_image(volume)})
                 image = data[self.image_key]
             with self._stage(self._network_stage, on):
-                data[self.output_key] = output = self._network_output(image.unsqueeze(0))[0]
+                batch = self._network_output(image.unsqueeze(0))
+            if not isinstance(batch, torch.Tensor):  # a network returning a dict or tuple (deep supervision, ...)
+                held = (f"keys {', '.join(map(repr, batch))}" if isinstance(batch, Mapping)
+                        else f"{len(batch)} items" if isinstance(batch, (tuple, list)) else "no tensor")
+                raise InferenceError(f"bundle {self.name}: {self._network_stage} returned a "
+                                     f"{type(batch).__qualname__} ({held}) on {on}; expected one tensor of class "
+                                     f"scores")
+            data[self.output_key] = output = batch[0]
             # Checked here, not after the postprocessing: an argmax there turns NaN scores into an empty label map.
             # Summed in float64, whose range no finite scores reach, so one pass and no copy of the scores.
             if output.is_floating_point() and not torch.isfinite(output.sum(dtype=torch.float64)):
