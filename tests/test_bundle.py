@@ -524,13 +524,31 @@ def test_weights_that_do_not_fit_the_network_are_refused(tmp_path, threshold_bun
         BundlePredictor.from_dir(bundle)
 
 
-def test_weights_file_that_is_not_torch_is_refused(tmp_path, threshold_bundle):
+def _whole_model(path: Path) -> None:
+    torch.save(torch.nn.Conv3d(1, 2, 1), path)
+
+
+def _cut_archive(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:200])
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda path: path.write_bytes(b"not a checkpoint"),
+     r"not a PyTorch weights file \(neither the zip archive torch.save writes nor a pickle\)$"),  # was "(110)"
+    # torch's own text advised unpickling unsafely, with terminal escape codes, cut off
+    (_whole_model, r"holds a pickled torch.nn.modules.conv.Conv3d object, which medserve does not unpickle "
+                   r"\(unpickling can run any code\); expected a state dict, saved with "
+                   r"torch.save\(model.state_dict\(\), path\)$"),
+    (_cut_archive, r"not a readable PyTorch weights file \(RuntimeError: .*\)$"),
+], ids=["not-torch", "a-pickled-model", "cut"])
+def test_weights_file_that_is_not_a_state_dict_is_refused_saying_what_it_is(tmp_path, threshold_bundle, damage,
+                                                                            message):
     bundle = tmp_path / "garbage"
     shutil.copytree(threshold_bundle, bundle)
-    (bundle / "models" / "model.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(BundleError, match="model.pt: not a readable PyTorch weights file") as caught:
+    damage(bundle / "models" / "model.pt")
+    with pytest.raises(BundleError, match=r"model.pt: " + message) as caught:
         BundlePredictor.from_dir(bundle)
-    assert "\n" not in str(caught.value)  # torch's own message runs on for lines: the first one is kept
+    assert "\n" not in str(caught.value) and "\x1b" not in str(caught.value)
 
 
 def test_missing_metadata_is_refused(tmp_path, threshold_bundle):

@@ -40,7 +40,8 @@ from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from medserve.bundle.imports import bundle_code
 from medserve.bundle.layout import INFERENCE_CONFIG_NAMES, BundleLayout
 from medserve.dicom.volume import lps_affine, ras_affine
-from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory, first_line, on_one_line
+from medserve.errors import (BundleError, InferenceError, InferenceOutOfMemory, first_line, on_one_line,
+                             one_line)
 from medserve.writers.labels import MAX_LABEL
 
 log = logging.getLogger("medserve.bundle")
@@ -758,8 +759,7 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
     try:
         checkpoint = torch.load(str(layout.weights_path), map_location="cpu", weights_only=True)
     except Exception as error:  # truncated files, pickles that weights_only refuses, non-torch files
-        raise BundleError(f"{layout.weights_path}: not a readable PyTorch weights file ({first_line(error)})") \
-            from error
+        raise BundleError(f"{layout.weights_path}: {_unreadable_weights(layout.weights_path, error)}") from error
     state = checkpoint.get("model", checkpoint) if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict):
         raise BundleError(f"{layout.weights_path}: expected a state dict (or a checkpoint with a 'model' entry)")
@@ -770,6 +770,20 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
         raise BundleError(f"{layout.weights_path}: weights do not fit network_def "
                           f"{type(network).__name__} in {layout.config_path.name}: {summary}") from error
     return network.to(device).eval()
+
+
+def _unreadable_weights(path: Path, error: Exception) -> str:
+    """Why torch.load refused a model.pt, in words: its own text is a KeyError of a stray byte for a file that is
+    no torch file at all, and advice to unpickle unsafely for a pickled model."""
+    with open(path, "rb") as stream:
+        head = stream.read(4)
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a legacy pickle
+        return "not a PyTorch weights file (neither the zip archive torch.save writes nor a pickle)"
+    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    if refused:
+        return (f"holds a pickled {refused.group(1)} object, which medserve does not unpickle (unpickling can run "
+                f"any code); expected a state dict, saved with torch.save(model.state_dict(), path)")
+    return f"not a readable PyTorch weights file ({type(error).__name__}: {one_line(first_line(error))})"
 
 
 def _state_dict_mismatch(error: RuntimeError, shown: int = 4, width: int = 160) -> str:
