@@ -18,6 +18,7 @@ from typing import BinaryIO
 from urllib.parse import quote
 
 import httpx
+import pydicom
 
 from medserve.server.errors import ApiError
 from medserve.server.inputs import NOT_DICOM, sniff
@@ -28,6 +29,8 @@ ACCEPT_DICOM = 'multipart/related; type="application/dicom"; transfer-syntax=*'
 
 FAILED_SOP_SEQUENCE = "00081198"
 FAILURE_REASON = "00081197"
+REFERENCED_SOP_SEQUENCE = "00081199"
+REFERENCED_SOP_INSTANCE_UID = "00081155"
 # PS3.18 Table 10.5.3-1 / PS3.4 Annex C: the failure reasons STOW-RS stores give.
 FAILURE_REASONS = {0x0110: "processing failure", 0x0122: "SOP class not supported", 0x0124: "not authorized",
                    0xA700: "out of resources", 0xA900: "data set does not match SOP class",
@@ -165,18 +168,23 @@ class DicomWebClient:
     def store(self, files: list[Path]) -> dict:
         """STOW-RS the files (the SEG) to the store; returns the store's JSON answer."""
         boundary = uuid.uuid4().hex
+        part_head = f"--{boundary}\r\nContent-Type: application/dicom\r\n\r\n".encode()
+        closing = f"--{boundary}--\r\n".encode()
 
         def body() -> Iterable[bytes]:
             for path in files:
-                yield f"--{boundary}\r\nContent-Type: application/dicom\r\n\r\n".encode()
+                yield part_head
                 with open(path, "rb") as handle:
                     while block := handle.read(1024 * 1024):
                         yield block
                 yield b"\r\n"
-            yield f"--{boundary}--\r\n".encode()
+            yield closing
 
+        # Streamed with its length stated, not chunked: an intermediary that drops a chunked request body made the
+        # store answer 200 to an empty request.
+        length = sum(len(part_head) + path.stat().st_size + 2 for path in files) + len(closing)
         headers = {"Content-Type": f'multipart/related; type="application/dicom"; boundary={boundary}',
-                   "Accept": "application/dicom+json"}
+                   "Accept": "application/dicom+json", "Content-Length": str(length)}
         try:
             r = httpx.post(self.url + "/studies", content=body(), headers=headers, timeout=self.timeout)
         except httpx.HTTPError as error:
@@ -196,6 +204,13 @@ class DicomWebClient:
         if r.status_code >= 400:
             raise DicomWebError(502, "dicomweb_store_failed", f"STOW-RS answered {r.status_code}: {r.text[:200]}",
                                 r.status_code >= 500)
+        stored = _stored_instances(answer)
+        if stored is not None:  # an answer that lists what it stored must list what was sent
+            missing = [path.name for path in files if _sop_instance_uid(path) not in stored]
+            if missing:
+                raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered {r.status_code} but its "
+                                    f"ReferencedSOPSequence does not list {len(missing)} of the {len(files)} "
+                                    f"instances sent ({', '.join(missing[:3])}): the store did not keep them", False)
         return answer if isinstance(answer, dict) else {}
 
 
@@ -235,6 +250,26 @@ def _refused_instances(answer: object) -> list[dict]:
     sequence = answer.get(FAILED_SOP_SEQUENCE) if isinstance(answer, dict) else None
     items = sequence.get("Value") if isinstance(sequence, dict) else None
     return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+
+
+def _stored_instances(answer: object) -> set[str] | None:
+    """The SOP Instance UIDs a STOW-RS answer's Referenced SOP Sequence (0008,1199) lists as stored; None when the
+    answer has no such sequence (an empty answer, which some stores give)."""
+    sequence = answer.get(REFERENCED_SOP_SEQUENCE) if isinstance(answer, dict) else None
+    if not isinstance(sequence, dict):
+        return None
+    items = sequence.get("Value")
+    uids = set()
+    for item in items if isinstance(items, list) else []:
+        element = item.get(REFERENCED_SOP_INSTANCE_UID) if isinstance(item, dict) else None
+        values = element.get("Value") if isinstance(element, dict) else None
+        if isinstance(values, list) and values:
+            uids.add(str(values[0]))
+    return uids
+
+
+def _sop_instance_uid(path: Path) -> str:
+    return str(pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPInstanceUID"]).SOPInstanceUID)
 
 
 def _failure_reason(item: dict) -> str:

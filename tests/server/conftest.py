@@ -208,6 +208,7 @@ class FakeDicomWeb:
     def __init__(self, study: Path | None = None, on_stow: Callable[[], None] | None = None) -> None:
         self.paths: list[str] = []
         self.stowed: list[list[str]] = []
+        self.stow_framing: list[str] = []  # "chunked" or "length" per STOW request
         self.study = study
         self.part_type = "application/dicom"
         self.stow_answer: tuple[int, dict | str] = (200, {})
@@ -240,6 +241,7 @@ class FakeDicomWeb:
                     self._answer(status, json.dumps(answer).encode(), "application/dicom+json")
 
             def _body(self) -> bytes:
+                fake.stow_framing.append("chunked" if self.headers.get("Transfer-Encoding") == "chunked" else "length")
                 if self.headers.get("Transfer-Encoding") != "chunked":
                     return self.rfile.read(int(self.headers["Content-Length"]))
                 data = b""

@@ -601,6 +601,24 @@ def test_an_empty_stow_answer_is_success(tmp_path: Path) -> None:
     with FakeDicomWeb() as store:
         store.stow_answer = (200, "")
         assert DicomWebClient(store.url, 10).store([seg]) == {}
+        assert store.stow_framing == ["length"]  # not chunked: an intermediary dropped a chunked body
+
+
+def test_a_stow_answer_that_does_not_list_the_instance_sent_is_a_refusal(tmp_path: Path) -> None:
+    """Orthanc answers 200 with an empty Referenced SOP Sequence to a body that lost its parts on the way: the
+    write-back was recorded as done, the job as succeeded, with nothing in the store."""
+    seg = next(iter(sorted(small_study(tmp_path / "study", size=16, slices=2).iterdir())))
+    uid = pydicom.dcmread(seg).SOPInstanceUID
+    with FakeDicomWeb() as store:
+        store.stow_answer = (200, {"00081199": {"vr": "SQ"}})
+        with pytest.raises(DicomWebError) as raised:
+            DicomWebClient(store.url, 10).store([seg])
+        assert raised.value.code == "dicomweb_store_refused" and not raised.value.retryable
+        assert raised.value.message == (f"STOW-RS answered 200 but its ReferencedSOPSequence does not list 1 of the 1 "
+                                        f"instances sent ({seg.name}): the store did not keep them")
+        listed = {"00081199": {"vr": "SQ", "Value": [{"00081155": {"vr": "UI", "Value": [uid]}}]}}
+        store.stow_answer = (200, listed)
+        assert DicomWebClient(store.url, 10).store([seg]) == listed
 
 
 def test_an_unforeseen_failure_is_a_json_500_without_internals(thr_server, monkeypatch: pytest.MonkeyPatch) -> None:
