@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import shutil
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -28,7 +29,7 @@ from medserve.server.errors import (ApiError, api_error_handler, core_error_hand
                                     internal_error_handler, validation_error_handler)
 from medserve.server.inputs import InputSpec, json_object, media_type, parse_input, request_options
 from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
-from medserve.server.lock import lock_data_dir
+from medserve.server.lock import UnusableDataDir, lock_data_dir
 from medserve.server.metrics import Metrics
 from medserve.server.runner import execute_async, pull
 from medserve.server.store import ModelStore, check_model_name
@@ -110,11 +111,15 @@ def create_app(config: ServerConfig) -> FastAPI:
     try:
         for folder in (config.data_dir, config.uploads_dir, config.jobs_dir, config.tmp_dir):
             folder.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(config.tmp_dir, ignore_errors=True)  # sync-request scratch from a previous run
-        config.tmp_dir.mkdir(parents=True, exist_ok=True)
         metrics = Metrics()
         store = ModelStore(config, on_change=metrics.store_changed)
-        jobs = JobQueue(config, store, metrics)
+        try:
+            jobs = JobQueue(config, store, metrics)
+        except sqlite3.DatabaseError as error:  # damaged, not a database, or read-only: before anything is removed
+            raise UnusableDataDir(f"{config.db_path}: cannot be used as the job database ({error}); restore it, or "
+                                  f"move it and jobs/ away to start afresh") from error
+        shutil.rmtree(config.tmp_dir, ignore_errors=True)  # sync-request scratch from a previous run
+        config.tmp_dir.mkdir(parents=True, exist_ok=True)
         metrics.watch_jobs(jobs.counts)
         upload_store = UploadStore(config.uploads_dir, config.max_upload_bytes, config.upload_expiry_seconds)
         auth = Authenticator(load_tokens(config.tokens_file))

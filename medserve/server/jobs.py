@@ -101,7 +101,21 @@ class JobQueue:
         self.metrics = metrics
         self.root = config.jobs_dir
         self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._wake = threading.Condition()
+        self._stop = threading.Event()
+        self._workers: list[threading.Thread] = []
         self._db = sqlite3.connect(config.db_path, check_same_thread=False, isolation_level=None)
+        try:
+            self._prepare_database()
+            self.recover()
+        except BaseException:  # damaged or read-only: the caller says so; the file is not held open meanwhile
+            self._db.close()
+            raise
+
+    # ---- persistence -----------------------------------------------------------------------------------
+    def _prepare_database(self) -> None:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")  # durable against a killed process, cheap commits
         self._db.executescript(SCHEMA)
@@ -110,14 +124,7 @@ class JobQueue:
             self._add_writeback_result()
         if "segmented" not in columns:  # jobs from before it read `segmented: null` (not recorded)
             self._db.execute("ALTER TABLE jobs ADD COLUMN segmented TEXT")
-        self._lock = threading.Lock()
-        self._closed = False
-        self._wake = threading.Condition()
-        self._stop = threading.Event()
-        self._workers: list[threading.Thread] = []
-        self.recover()
 
-    # ---- persistence -----------------------------------------------------------------------------------
     def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
             if self._closed:  # a worker still running when the server stopped

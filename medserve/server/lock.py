@@ -55,7 +55,34 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     handle.truncate(0)
     handle.write(f"{os.getpid()}\n")
     handle.flush()
+    try:
+        _refuse_lost_database(data_dir)
+    except MedserveError:
+        handle.close()
+        raise
     return handle
+
+
+def _refuse_lost_database(data_dir: Path) -> None:
+    """Job folders without the database that owns them: a start would make a new, empty database and then remove
+    every folder under jobs/ as no job's, results included. SQLite in WAL mode may keep a young database wholly in
+    its -wal file, so an empty main file with a non-empty -wal is no loss."""
+    jobs = data_dir / "jobs"
+    folders = [entry for entry in jobs.iterdir() if entry.is_dir()] if jobs.is_dir() else []
+    database, journal = data_dir / DATABASE, data_dir / f"{DATABASE}-wal"
+    if not folders or (database.exists() and (_size(database) or _size(journal))):
+        return
+    state = "is empty" if database.exists() else "is missing"
+    raise UnusableDataDir(f"data dir {data_dir}: {DATABASE} {state} but jobs/ holds {len(folders)} job folder(s): a "
+                          f"start would delete them as no job's; restore {DATABASE}, or move jobs/ away to start "
+                          "afresh")
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _refuse_foreign(data_dir: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import io
 import os
 import shutil
@@ -769,6 +770,56 @@ def test_a_folder_of_other_files_is_refused_as_data_dir(base_config, tmp_path: P
     assert (home / "jobs.sqlite").is_file() and not (home / "tmp" / "important.txt").exists()
     (home / "notes.txt").write_text("added later, beside the database")
     _start_and_stop(create_app(replace(base_config, data_dir=home)))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not-a-database", "read-only", "emptied", "removed"])
+def test_a_damaged_or_lost_job_database_stops_the_start_before_anything_is_removed(
+        base_config, tmp_path: Path, damage: str) -> None:
+    """A damaged jobs.sqlite was a traceback (exit 1) after tmp/ had been emptied; an emptied or removed one made a
+    fresh database, and the start then deleted every job folder, results included, without a word."""
+    from medserve.server.lock import UnusableDataDir
+
+    data = tmp_path / "data"
+    _start_and_stop(create_app(replace(base_config, data_dir=data)))
+    result = data / "jobs" / "0123456789abcdef0123456789abcdef" / "result"
+    result.mkdir(parents=True)
+    (result / "seg.dcm").write_bytes(b"a result")
+    (data / "tmp" / "scratch").write_bytes(b"x")
+    database, mounted = data / "jobs.sqlite", False
+    for journal in ("jobs.sqlite-wal", "jobs.sqlite-shm"):
+        (data / journal).unlink(missing_ok=True)
+    if damage == "truncated":
+        database.write_bytes(database.read_bytes()[:3000])
+    elif damage == "not-a-database":
+        database.write_bytes(b"\x17" * 8192)
+    elif damage == "read-only":
+        mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(database), str(database)]).returncode == 0
+    elif damage == "emptied":
+        database.write_bytes(b"")
+    else:
+        database.unlink()
+    expected = {"emptied": r"jobs.sqlite is empty but jobs/ holds 1 job folder\(s\): a start would delete them",
+                "removed": r"jobs.sqlite is missing but jobs/ holds 1 job folder\(s\)"}.get(
+        damage, r"jobs.sqlite: cannot be used as the job database \(.*\); restore it, or move it and jobs/ away")
+    try:
+        if damage == "read-only" and os.access(database, os.W_OK):
+            pytest.skip("no read-only bind mount here")
+        with pytest.raises(UnusableDataDir, match=expected):
+            create_app(replace(base_config, data_dir=data))
+    finally:
+        if mounted:  # fails while the server holds the file open
+            subprocess.run(["umount", str(database)], check=True)
+    assert (result / "seg.dcm").read_bytes() == b"a result" and (data / "tmp" / "scratch").exists()
+    assert not _data_dir_locked(data)  # given back for the corrected retry
+
+
+def _data_dir_locked(data: Path) -> bool:
+    with open(data / "serve.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+    return False
 
 
 def _start_and_stop(app) -> None:  # noqa: ANN001
