@@ -9,6 +9,7 @@ ones to retry with backoff.
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from xml.etree import ElementTree
@@ -29,6 +30,8 @@ ACCEPT_DICOM = 'multipart/related; type="application/dicom"; transfer-syntax=*'
 
 FAILED_SOP_SEQUENCE = "00081198"
 FAILURE_REASON = "00081197"
+# h11's words for a body that ended before its Content-Length, or inside a chunk.
+_CUT_SHORT = re.compile(r"without sending complete message body|incomplete chunked read", re.IGNORECASE)
 REFERENCED_SOP_SEQUENCE = "00081199"
 REFERENCED_SOP_INSTANCE_UID = "00081155"
 # PS3.18 Table 10.5.3-1 / PS3.4 Annex C: the failure reasons STOW-RS stores give.
@@ -129,6 +132,9 @@ class DicomWebClient:
     def _fail(self, error: Exception, what: str) -> DicomWebError:
         if isinstance(error, httpx.TimeoutException):
             return DicomWebError(504, "dicomweb_timeout", f"DICOM store at {self.url} timed out during {what}", True)
+        if isinstance(error, httpx.RemoteProtocolError) and _CUT_SHORT.search(str(error)):
+            return DicomWebError(502, "dicomweb_truncated", f"DICOM store at {self.url}: its answer during {what} "
+                                 f"ended early: {error}", True)
         return DicomWebError(502, "dicomweb_unreachable",
                              f"DICOM store at {self.url} is unreachable during {what}: {error}", True)
 

@@ -211,6 +211,7 @@ class FakeDicomWeb:
         self.stow_framing: list[str] = []  # "chunked" or "length" per STOW request
         self.study = study
         self.part_type = "application/dicom"
+        self.cut_get = False  # WADO-RS answers end halfway through, the connection closed
         self.stow_answer: tuple[int, dict | str] = (200, {})
         fake = self
 
@@ -225,7 +226,16 @@ class FakeDicomWeb:
                 boundary = "fakeboundary"
                 body = b"".join(f"--{boundary}\r\nContent-Type: {fake.part_type}\r\n\r\n".encode() + p.read_bytes()
                                 + b"\r\n" for p in sorted(fake.study.iterdir())) + f"--{boundary}--\r\n".encode()
-                self._answer(200, body, f'multipart/related; type="application/dicom"; boundary={boundary}')
+                content_type = f'multipart/related; type="application/dicom"; boundary={boundary}'
+                if fake.cut_get:
+                    self.send_response(200)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body[:len(body) // 2])
+                    self.close_connection = True
+                    return
+                self._answer(200, body, content_type)
 
             def do_POST(self) -> None:  # noqa: N802
                 boundary = self.headers["Content-Type"].split("boundary=")[1].strip('"').encode()

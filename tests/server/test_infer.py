@@ -596,6 +596,16 @@ def test_stow_answers_in_other_shapes_are_read_for_refusals(tmp_path: Path, stat
         raised.value.message
 
 
+def test_a_wado_answer_cut_short_is_a_truncated_answer_not_an_unreachable_store(tmp_path: Path) -> None:
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    with FakeDicomWeb(study) as store:
+        store.cut_get = True
+        with pytest.raises(DicomWebError) as raised:
+            DicomWebClient(store.url, 10).pull("1.2", None, tmp_path / "pulled")
+    assert raised.value.code == "dicomweb_truncated" and raised.value.retryable, raised.value.message
+    assert "its answer during retrieve ended early" in raised.value.message
+
+
 def test_an_empty_stow_answer_is_success(tmp_path: Path) -> None:
     seg = next(iter(sorted(small_study(tmp_path / "study", size=16, slices=2).iterdir())))
     with FakeDicomWeb() as store:
