@@ -147,8 +147,8 @@ class JobQueue:
     def recover(self) -> None:
         """Rows a killed server left `running`: rerun them, or fail them once they have used their attempts."""
         failed = self._exec(
-            "UPDATE jobs SET state='failed', finished=?, stage='interrupted', progress=0, outputs=NULL, error=? "
-            "WHERE state='running' AND attempts >= ? RETURNING id",
+            "UPDATE jobs SET state='failed', finished=?, stage='interrupted', progress=0, outputs=NULL, "
+            "segmented=NULL, error=? WHERE state='running' AND attempts >= ? RETURNING id",
             (time.time(), f"interrupted by a server crash or restart {self.config.job_max_attempts} times; "
              "not retried again", self.config.job_max_attempts))
         requeued = self._exec(
@@ -287,9 +287,11 @@ class JobQueue:
             was = row["state"]
             if was in FINAL:
                 raise ApiError(409, "job_finished", f"job {job_id} is already {was}")
-            # outputs=NULL: a job cancelled after its result was saved (during write-back) loses the files.
+            # outputs=NULL: a job cancelled after its result was saved (during write-back) loses the files, and
+            # with them what they were of (segmented).
             self._db.execute("UPDATE jobs SET state='cancelled', progress=0, finished=?, stage='cancelled', "
-                             "error='cancelled by request', outputs=NULL WHERE id=?", (time.time(), job_id))
+                             "error='cancelled by request', outputs=NULL, segmented=NULL WHERE id=?",
+                             (time.time(), job_id))
         if was == "queued":
             self._drop_input(job_id)  # no worker will see it
         else:  # a MAP's container ends now; a bundle's worker notices at its next step and drops the input
@@ -493,8 +495,9 @@ class JobQueue:
         endpoint serves succeeded jobs only, so its files could never be fetched, and it must not be listed as
         if it could. Re-submitting the job makes it again."""
         log.warning("job %s failed: %s", job_id, message)
-        self._exec("UPDATE jobs SET state='failed', stage='failed', progress=0, outputs=NULL, finished=?, error=?, "
-                   "timings=? WHERE id=? AND state='running'", (time.time(), message, json.dumps(timings), job_id))
+        self._exec("UPDATE jobs SET state='failed', stage='failed', progress=0, outputs=NULL, segmented=NULL, "
+                   "finished=?, error=?, timings=? WHERE id=? AND state='running'",
+                   (time.time(), message, json.dumps(timings), job_id))
         for name in ("result.tmp", "result"):
             shutil.rmtree(self.job_dir(job_id) / name, ignore_errors=True)
 

@@ -507,6 +507,7 @@ def test_a_writeback_the_store_refuses_fails_the_job_and_keeps_no_result(make_se
     assert (job["state"], job["error"]) == ("failed", expected), job
     assert job["writeback_result"] == {"target": store.url, "state": "failed", "error": expected}
     assert job["outputs"] == [] and job["result_url"] is None and job["progress"] == 0, job
+    assert job["segmented"] is None and done["segmented"] is not None  # was kept with the result gone
     result = httpx.get(f"{url}/v1/jobs/{job['id']}/result")
     assert result.status_code == 409 and result.json()["error"] == "job_has_no_result", result.text
     _gone(server.config.jobs_dir / job["id"])  # no result: no folder
