@@ -417,6 +417,9 @@ class JobQueue:
         except (ApiError, MedserveError, DicomWebError) as error:
             if isinstance(error, ApiError):
                 message = error.message
+            elif spec.path is not None and not spec.path.exists():  # its own words would name a server path
+                message = ("the job's input is gone from the server's data dir (removed while the job waited or "
+                           "ran); submit the job again")
             elif isinstance(error, MedserveError):
                 message = client_message(error, folder / "input" / "dicom", folder / "input", work, folder)
             else:

@@ -386,6 +386,19 @@ def test_a_queued_job_runs_after_its_data_dir_was_moved(make_server, study: Path
     assert done["state"] == "succeeded", done
 
 
+def test_a_job_whose_input_was_removed_behind_the_servers_back_fails_saying_so(make_server, study: Path) -> None:
+    """It failed with "input folder . does not exist": the server's path, shortened for the client, said nothing."""
+    server = with_thr(make_server())
+    with server.store.use("thr", lambda: None):  # the job waits for the model
+        job = httpx.post(server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait(server.url, job["id"], ("running",))
+        shutil.rmtree(server.config.jobs_dir / job["id"] / "input")
+    failed = _wait(server.url, job["id"], ("succeeded", "failed"))
+    assert (failed["state"], failed["error"]) == ("failed", "the job's input is gone from the server's data dir "
+                                                            "(removed while the job waited or ran); submit the job "
+                                                            "again"), failed
+
+
 def test_a_job_cancelled_while_running_leaves_no_files_after_a_crash(base_config, study: Path) -> None:
     """Cancelled while it ran, and the server died before the worker noticed: the next start removes what the
     job left (its input, a partial result), as the worker would have."""
