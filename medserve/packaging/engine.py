@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from medserve import net
 from medserve.errors import PackagingError
+from medserve.stopping import Terminated
 
 logger = logging.getLogger("medserve.packaging.engine")
 
@@ -82,8 +83,10 @@ def stream(argv: Sequence[str], what: str, on_line: Callable[[str], None], env: 
                 line = line.rstrip("\n")
                 tail = (tail + [line])[-15:]
                 on_line(line)
-        except BaseException:
-            _interrupt(process)
+        except BaseException as error:
+            # SIGTERM/SIGHUP reached us alone; Ctrl-C in a terminal reached the tool too, which then cleans up on
+            # its own, and a second SIGINT could cut that short.
+            _interrupt(process, on_its_own=0.0 if isinstance(error, Terminated) else 10.0)
             raise
         code = process.wait()
     if code != 0:  # the tool's last lines, on the error's one line; the whole output is in the debug log
@@ -91,10 +94,10 @@ def stream(argv: Sequence[str], what: str, on_line: Callable[[str], None], env: 
         raise PackagingError(f"{what} failed ({argv[0]} exit {code}): " + " | ".join(shown))
 
 
-def _interrupt(process: subprocess.Popen, on_its_own: float = 2.0, cleaning_up: float = 30.0) -> None:
+def _interrupt(process: subprocess.Popen, on_its_own: float, cleaning_up: float = 30.0) -> None:
     """End a tool we were interrupted in, as Ctrl-C in a terminal ends it, so that it removes its working
-    containers: a SIGTERM to us alone left buildah running pip, orphaned, and its containers behind. A tool that
-    got the terminal's Ctrl-C too is given a moment to end on its own first."""
+    containers: a SIGTERM to us alone left buildah running pip, orphaned, and its containers behind. It is given
+    `on_its_own` seconds to end without our signal first."""
     try:
         process.wait(timeout=on_its_own)
         return

@@ -306,6 +306,23 @@ def test_an_interrupted_build_stops_the_builder_so_it_cleans_up(tmp_path: Path) 
     assert cleaned.exists() and time.monotonic() - started < 30
 
 
+def test_after_a_terminal_ctrl_c_the_builder_is_left_to_clean_up_on_its_own(tmp_path: Path) -> None:
+    """The terminal's Ctrl-C reached the builder too: it is waited for, not sent a second SIGINT that could cut
+    its clean-up short."""
+    signalled = tmp_path / "signalled"
+    builder = ("import signal, sys, time\n"
+               f"signal.signal(signal.SIGINT, lambda *a: (open({str(signalled)!r}, 'w').close(), sys.exit(1)))\n"
+               "print('STEP 1/9: FROM base', flush=True)\n"
+               "time.sleep(1)\n")  # ending on its own, as a builder cleaning up after Ctrl-C does
+
+    def interrupted(line: str) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.stream([sys.executable, "-c", builder], "building x:1", interrupted)
+    assert not signalled.exists()
+
+
 @pytest.mark.parametrize(("command", "signum"), [("package", signal.SIGTERM), ("inspect", signal.SIGHUP),
                                                  ("push", signal.SIGTERM)])
 def test_sigterm_and_sighup_end_the_container_commands_as_ctrl_c_does(
