@@ -64,16 +64,17 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
 
 
 def _refuse_lost_database(data_dir: Path) -> None:
-    """Job folders without the database that owns them: a start would make a new, empty database and then remove
-    every folder under jobs/ as no job's, results included. SQLite in WAL mode may keep a young database wholly in
-    its -wal file, so an empty main file with a non-empty -wal is no loss."""
+    """Job results without the database that owns them: a start would make a new, empty database and then remove
+    every folder under jobs/ as no job's, results included (a folder holding only an input is no loss: without its
+    row it could never run). SQLite in WAL mode may keep a young database wholly in its -wal file, so an empty
+    main file with a non-empty -wal is no loss either."""
     jobs = data_dir / "jobs"
-    folders = [entry for entry in jobs.iterdir() if entry.is_dir()] if jobs.is_dir() else []
+    results = [entry for entry in jobs.iterdir() if (entry / "result").is_dir()] if jobs.is_dir() else []
     database, journal = data_dir / DATABASE, data_dir / f"{DATABASE}-wal"
-    if not folders or (database.exists() and (_size(database) or _size(journal))):
+    if not results or (database.exists() and (_size(database) or _size(journal))):
         return
     state = "is empty" if database.exists() else "is missing"
-    raise UnusableDataDir(f"data dir {data_dir}: {DATABASE} {state} but jobs/ holds {len(folders)} job folder(s): a "
+    raise UnusableDataDir(f"data dir {data_dir}: {DATABASE} {state} but jobs/ holds {len(results)} job result(s): a "
                           f"start would delete them as no job's; restore {DATABASE}, or move jobs/ away to start "
                           "afresh")
 

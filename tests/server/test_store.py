@@ -98,7 +98,7 @@ def test_drop_half_copy_broken_replace_remove(make_server, study: Path, tmp_path
         r = httpx.post(url + "/v1/models/broken/infer", files=multipart_files(study))
         assert r.status_code == 409 and r.json()["error"] == "model_failed"
         # Named by its place in the store: the store's own path is the server's business.
-        assert "broken/models/model.pt: not a readable PyTorch weights file" in r.json()["message"], r.text
+        assert "broken/models/model.pt: not a PyTorch weights file" in r.json()["message"], r.text
         assert str(store) not in r.json()["message"] + info["error"]
 
         # Replace a while it serves: new metadata version; old keeps serving until the new one is loaded.
