@@ -810,9 +810,30 @@ def test_a_prediction_that_lost_its_geometry_is_taken_on_the_input_grid_or_refus
     cut = {**plain, "func": "$lambda x: torch.as_tensor(x.numpy())[:, 2:]"}
     bundle = edited_bundle(tmp_path / "cut", appended_to_postprocessing(cut))
     with pytest.raises(InferenceError, match=r"^bundle cut: postprocessing returned 'pred' of shape \(1, 46, 48, "
-                                             r"24\) without its geometry .*; expected the input's spatial shape "
-                                             r"\(48, 48, 24\) \(X, Y, Z\)"):
+                                             r"24\) without its geometry .*; expected the spatial shape \(48, 48, "
+                                             r"24\) \(X, Y, Z\) of the input, or a MetaTensor"):
         BundlePredictor.from_dir(bundle, device="cpu").predict(volume)
+
+
+def test_a_prediction_that_lost_its_geometry_without_invertd_is_placed_from_the_network_grid(tmp_path):
+    """Without Invertd the prediction lies on the grid the network saw (here reoriented and resampled to 2 mm,
+    another shape than the input's): taken as lying on the input's grid, it would be refused or, for an LPS series
+    reoriented to RAS, mirrored."""
+    def without_invertd(config):
+        transforms = config["postprocessing"]["transforms"]
+        transforms[:] = [t for t in transforms if t["_target_"] != "Invertd"]
+
+    volume, _ = phantom_volume()
+    expected = BundlePredictor.from_dir(edited_bundle(tmp_path / "own_space", without_invertd),
+                                        device="cpu").predict(volume)
+    plain = {"_target_": "Lambdad", "keys": "pred", "func": "$lambda x: torch.as_tensor(x.numpy())"}
+
+    def stripped(config):
+        without_invertd(config)
+        appended_to_postprocessing(plain)(config)
+
+    label_map = BundlePredictor.from_dir(edited_bundle(tmp_path / "stripped", stripped), device="cpu").predict(volume)
+    np.testing.assert_array_equal(label_map, expected)
 
 
 class Raising(torch.nn.Module):

@@ -192,6 +192,9 @@ class BundlePredictor:
         self.multi_label = layout.channel_zero_is_a_structure and _thresholds_without_argmax(steps)
         self.labels = layout.labels(self.multi_label)
         self._expects_channel_first = _uses_transform(parser, "preprocessing", _CHANNEL_FIRST_TRANSFORMS)
+        self._inverts_preprocessing = "postprocessing" in parser and any(
+            _target_name(step).startswith("Invert") for step in
+            _nested(parser, _section_transforms(parser, "postprocessing")))
         # Transforms (Invertd's bookkeeping, random state) are not safe to share between threads.
         self._lock = threading.Lock()
 
@@ -272,22 +275,22 @@ class BundlePredictor:
                 image = data[self.image_key]
             with self._stage(self._network_stage, on):
                 batch = self._network_output(image.unsqueeze(0))
-            if not isinstance(batch, torch.Tensor):  # a network returning a dict or tuple (deep supervision, ...)
-                held = (f"keys {', '.join(map(repr, batch))}" if isinstance(batch, Mapping)
-                        else f"{len(batch)} items" if isinstance(batch, (tuple, list)) else "no tensor")
-                raise InferenceError(f"bundle {self.name}: {self._network_stage} returned a "
-                                     f"{type(batch).__qualname__} ({held}) on {on}; expected one tensor of class "
-                                     f"scores")
-            data[self.output_key] = output = batch[0]
-            # Checked here, not after the postprocessing: an argmax there turns NaN scores into an empty label map.
-            # Summed in float64, whose range no finite scores reach, so one pass and no copy of the scores.
-            if output.is_floating_point() and not torch.isfinite(output.sum(dtype=torch.float64)):
-                raise InferenceError(f"bundle {self.name}: {self._network_stage} returned NaN or infinite values "
-                                     f"on {on}; expected finite class scores (are the weights damaged?)")
+                if not isinstance(batch, torch.Tensor):  # a network returning a dict or tuple (deep supervision)
+                    held = (f"keys {', '.join(map(repr, batch))}" if isinstance(batch, Mapping)
+                            else f"{len(batch)} items" if isinstance(batch, (tuple, list)) else "no tensor")
+                    raise InferenceError(f"bundle {self.name}: {self._network_stage} returned a "
+                                         f"{type(batch).__qualname__} ({held}) on {on}; expected one tensor of "
+                                         f"class scores")
+                # Checked here, not after the postprocessing: an argmax there turns NaN scores into an empty label
+                # map. Inside the stage: on a GPU the check itself may run out of memory, and says so.
+                if not _all_finite(batch):
+                    raise InferenceError(f"bundle {self.name}: {self._network_stage} returned NaN or infinite "
+                                         f"values on {on}; expected finite class scores (are the weights damaged?)")
+            data[self.output_key] = batch[0]
             if self.postprocessing is not None:
                 with self._stage("postprocessing", on), MaxIndicesArgmax():
                     data = self._postprocess(data)
-        return self._label_map(self._prediction(data), volume)
+        return self._label_map(self._prediction(data), volume, getattr(image, "affine", None), tuple(image.shape[1:]))
 
     def _postprocess(self, data: dict[str, Any]) -> Any:
         """The bundle's postprocessing on the device its network ran on, as the bundle's own evaluator runs it.
@@ -380,12 +383,16 @@ class BundlePredictor:
                                  f"or array of labels or class scores")
         return torch.from_numpy(_wrappable(array))
 
-    def _label_map(self, scores: torch.Tensor, volume: hd.Volume) -> np.ndarray:
+    def _label_map(self, scores: torch.Tensor, volume: hd.Volume, network_affine: torch.Tensor | None,
+                   network_shape: tuple[int, ...]) -> np.ndarray:
+        """The label map on the input's grid, from what the postprocessing left; `network_affine` and
+        `network_shape`: the grid the network saw, where a prediction that lost its geometry lies unless the
+        postprocessing inverts the preprocessing."""
         shape = tuple(volume.array.shape)
-        if scores.is_floating_point() and not torch.isfinite(scores.sum(dtype=torch.float64)):
+        if not _all_finite(scores):
             raise InferenceError(f"bundle {self.name}: postprocessing returned NaN or infinite values in "
                                  f"'{self.output_key}'; expected labels")  # before an argmax makes them label 0
-        grid = self._grid(scores, shape)
+        grid = self._grid(scores, volume, network_affine, network_shape)
         if scores.ndim == 4 and self.multi_label:  # one sigmoid mask too: left unthresholded, it is refused
             scores = self._masks_as_labels(scores)
         elif scores.ndim == 4 and scores.shape[0] > 1:
@@ -409,23 +416,33 @@ class BundlePredictor:
         # from a C-ordered copy, the copy included.
         return values.transpose(2, 1, 0).astype(np.uint16, order="C")
 
-    def _grid(self, scores: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor | None:
-        """The RAS affine the prediction carries, None where it carries none: a plain tensor or array, or a
-        MetaTensor with MetaTensor's default (identity) affine, which a transform such as Lambdad gives a plain
-        result (`torch.as_tensor(x.numpy())`). Such a prediction is taken as lying on the input's grid when its
-        shape is the input's, as SaveImaged would write its voxels; resampling it from the identity moved it
-        (227 voxels of a 5984-voxel organ kept). Of another shape, nothing says where it lies: refused."""
+    def _grid(self, scores: torch.Tensor, volume: hd.Volume, network_affine: torch.Tensor | None,
+              network_shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The RAS affine of the grid the prediction lies on; None for a plain tensor or array (taken as lying on
+        the input's grid, as MONAI's evaluators take it).
+
+        A MetaTensor with MetaTensor's default (identity) affine lost its geometry: a transform such as Lambdad
+        wraps a plain result so (`torch.as_tensor(x.numpy())`), and resampled from the identity the organ moved.
+        Its grid is then the one the network saw, or the input's when the postprocessing inverts the
+        preprocessing (Invertd); of another shape than that grid's, nothing says where it lies, and it is
+        refused. An input whose own affine is the identity leaves nothing to tell apart."""
         affine = scores.affine if isinstance(scores, MetaTensor) else None
-        if affine is None or not np.array_equal(np.asarray(affine), np.eye(4)):
+        identity = np.eye(4)
+        if (affine is None or not np.array_equal(np.asarray(affine), identity)
+                or np.array_equal(ras_affine(volume), identity)):
             return affine
-        if tuple(scores.shape[-3:]) != shape[::-1]:
+        inverted = self._inverts_preprocessing or network_affine is None  # a plain tensor fed the network
+        grid, grid_shape = (ras_affine(volume), volume.array.shape[::-1]) if inverted else (
+            np.asarray(network_affine, dtype=np.float64), network_shape)
+        if tuple(scores.shape[-3:]) != tuple(grid_shape):
             raise InferenceError(f"bundle {self.name}: postprocessing returned '{self.output_key}' of shape "
                                  f"{tuple(scores.shape)} without its geometry (an identity affine, as a transform "
-                                 f"returning a plain tensor leaves it); expected the input's spatial shape "
-                                 f"{shape[::-1]} (X, Y, Z), or a MetaTensor that keeps its affine")
-        log.warning("the prediction carries no geometry (an identity affine); taken as lying on the input's grid, "
-                    "whose shape it has", extra={"bundle": self.name})
-        return None
+                                 f"returning a plain tensor leaves it); expected the spatial shape "
+                                 f"{tuple(grid_shape)} (X, Y, Z) of the {'input' if inverted else 'network input'}, "
+                                 f"or a MetaTensor that keeps its affine")
+        log.warning("the prediction carries no geometry (an identity affine); taken as lying on the grid of the "
+                    "%s, whose shape it has", "input" if inverted else "network input", extra={"bundle": self.name})
+        return torch.as_tensor(grid)
 
     def _on_input_grid(self, labels: torch.Tensor, affine: torch.Tensor, volume: hd.Volume) -> torch.Tensor:
         """Labels (X, Y, Z) whose RAS `affine` the postprocessing left as something other than the input's: moved
@@ -473,6 +490,15 @@ class BundlePredictor:
                                  f"than one mask (first: channels {names}); medserve writes one label per voxel "
                                  f"and cannot represent overlapping structures")
         return torch.where(count > 0, class_indices(present.to(torch.uint8)) + 1, 0)
+
+
+def _all_finite(values: Any) -> bool:
+    """No NaN or infinity among float `values`: their minimum and maximum say so (NaN and infinities reach both),
+    in one pass that copies nothing, where a sum in float64 copied the scores of every class."""
+    if not isinstance(values, torch.Tensor) or not values.is_floating_point() or values.numel() == 0:
+        return True
+    low, high = torch.aminmax(values)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
 def _reoriented(labels: torch.Tensor, source: np.ndarray, target: np.ndarray,
