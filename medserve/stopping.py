@@ -1,4 +1,7 @@
-"""Ctrl-C and SIGTERM end a Holoscan application with its outputs removed and the conventional exit status.
+"""Ctrl-C and SIGTERM end a program with its clean-up done and the conventional exit status 128 + N.
+
+Two mechanisms: a Holoscan application's (below), and `termination_as_interrupt` for the CLI's container
+commands, which run no graph and can let SIGTERM/SIGHUP raise where the code is, as Ctrl-C does.
 
 Left to Holoscan, SIGINT reaches its executor's own handler: it asks the graph to stop, waits 3 seconds for the
 operator that is busy (a bundle's inference takes minutes), then ends the process from C++ with status 1 and
@@ -71,6 +74,8 @@ def termination_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: object) -> None:
+        for repeated in _TERMINATING:  # a second SIGTERM must not cut the clean-up the first one started short
+            signal.signal(repeated, signal.SIG_IGN)
         raise Terminated(signum)
 
     previous = {signum: signal.signal(signum, interrupt) for signum in _TERMINATING}

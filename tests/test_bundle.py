@@ -315,10 +315,11 @@ def test_torchscript_saved_as_model_pt_is_refused_saying_to_rename_it(tmp_path, 
     ({"num_channels": 4, "spatial_shape": [128, 128, 128]},
      r"num_channels is 4; medserve feeds a bundle one series, a single-channel image"),
     ({"num_channels": "4"}, r'num_channels is "4"; expected a whole number \(1: medserve feeds a bundle one series'),
-    ({"num_channels": 4.0}, r"num_channels is 4.0; expected a whole number"),
+    ({"num_channels": 4.0}, r"num_channels is 4; medserve feeds a bundle one series"),  # 1.0 is as good as 1
+    ({"num_channels": 1.5}, r"num_channels is 1.5; expected a whole number"),
     ({"num_channels": 1, "spatial_shape": [512, 512]}, r"spatial_shape \[512, 512\] is 2D; medserve feeds a bundle a "
                                                        r"3D volume"),
-], ids=["four-channels", "a-string", "a-float", "2d"])
+], ids=["four-channels", "a-string", "a-whole-float", "a-fraction", "2d"])
 def test_an_input_other_than_one_3d_image_is_refused_when_loading(tmp_path, threshold_bundle, declared, message):
     bundle = tmp_path / "other_input"
     shutil.copytree(threshold_bundle, bundle)
@@ -610,6 +611,23 @@ def test_an_output_channel_whose_key_is_not_a_channel_number_is_refused_naming_i
                                           rf'channel_def\[{re.escape(json.dumps(key))}\]: the key is not a channel '
                                           r'number; expected a whole number 0..65535 written without leading zeros$'):
         BundlePredictor.from_dir(bundle, device="cpu")
+
+
+def test_the_last_channel_of_a_multi_label_output_must_leave_room_for_its_label(tmp_path, threshold_bundle):
+    """Channel i of a multi-label output is label i + 1: channel 65535 would be 65536, which no label map holds."""
+    from medserve.bundle.layout import BundleLayout
+
+    bundle = tmp_path / "wide"
+    shutil.copytree(threshold_bundle, bundle)
+    metadata_path = bundle / "configs" / "metadata.json"
+    metadata = json.loads(metadata_path.read_text())
+    metadata["network_data_format"]["outputs"]["pred"]["channel_def"] = {"0": "liver", "65535": "spleen"}
+    metadata_path.write_text(json.dumps(metadata))
+    layout = BundleLayout.find(bundle)
+    assert layout.labels() == {65535: "spleen"}
+    with pytest.raises(BundleError, match=r"metadata.json: channel 65535 of the multi-label output 'pred' would be "
+                                          r"label 65536; labels go up to 65535$"):
+        layout.labels(multi_label=True)
 
 
 def test_label_names_come_from_pred_when_the_metadata_lists_another_output_first(tmp_path, threshold_bundle):

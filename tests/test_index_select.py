@@ -300,6 +300,12 @@ def test_objects_of_other_classes_within_an_image_series_are_left_out_of_it(two_
     [choice] = select_series(index)
     assert len(choice.series.instances) == 16
     assert series_to_volume(choice.series).array.shape == (16, 24, 24)
+    # Deflated, as SRs often are: the header read cannot see whether it holds pixels, so its class decides.
+    report.save_as(two_series_study / "a" / "b" / "report.dcm", enforce_file_format=True)
+    deflated = pydicom.dcmread(two_series_study / "a" / "b" / "report.dcm")
+    deflated.file_meta.TransferSyntaxUID = pydicom.uid.DeflatedExplicitVRLittleEndian
+    deflated.save_as(two_series_study / "a" / "b" / "report.dcm", enforce_file_format=True)
+    assert (two_series_study / "a" / "b" / "report.dcm", reason) in index_folder(two_series_study).skipped
 
 
 def test_default_rules_pick_the_largest_ct_series(two_series_study):

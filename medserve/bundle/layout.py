@@ -66,6 +66,9 @@ class BundleLayout:
         labels = {}
         for value, name in self._channel_def().items():  # keys checked by find(): channel numbers
             number = int(value) + shift
+            if number > MAX_LABEL:  # channel 65535 of a multi-label output
+                raise BundleError(f"{self.metadata_path}: channel {value} of the multi-label output "
+                                  f"'{self.output_key}' would be label {number}; labels go up to {MAX_LABEL}")
             if number > 0:
                 labels[number] = str(name)
         return labels

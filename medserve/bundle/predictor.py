@@ -801,8 +801,11 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
 def _unreadable_weights(path: Path, error: Exception) -> str:
     """Why torch.load refused a model.pt, in words: its own text is a KeyError of a stray byte for a file that is
     no torch file at all, and advice to unpickle unsafely for a pickled model."""
-    with open(path, "rb") as stream:
-        head = stream.read(4)
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(4)
+    except OSError as unreadable:
+        return f"cannot be read ({unreadable.strerror or unreadable})"
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a legacy pickle
         return "not a PyTorch weights file (neither the zip archive torch.save writes nor a pickle)"
     refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
@@ -839,6 +842,8 @@ def _check_input_format(layout: BundleLayout) -> None:
         return
     channels, shape = image.get("num_channels"), image.get("spatial_shape")
     where = f"bundle {layout.name}: {layout.metadata_path.name} network_data_format.inputs"
+    if isinstance(channels, float) and channels.is_integer():
+        channels = int(channels)  # JSON writers may give 1.0
     if channels is not None and (not isinstance(channels, int) or isinstance(channels, bool)):
         raise BundleError(f"{where} num_channels is {json.dumps(channels)}; expected a whole number (1: medserve "
                           f"feeds a bundle one series)")

@@ -221,7 +221,7 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
                 raise DicomInputError(f"{path}: corrupt or truncated DICOM file, or an incomplete object: {missing} "
                                       "missing")
             continue
-        if not _is_image(instance) and _pixel_data_offset_is_known(instance):
+        if _is_other_object(instance):
             # A dose report or presentation state filed in an image series is no slice of it.
             _skip(skipped, path, f"{_sop_class_name(dataset)}, not an image")
             continue
@@ -260,6 +260,26 @@ def _is_image(instance: Instance) -> bool:
     and series (a Color Palette, a Hanging Protocol): the stock loader skips them, and so do we."""
     return (instance.pixel_data_offset is not None or _sop_class(instance.dataset) is None
             or _has_image_class(instance.dataset))
+
+
+def _is_other_object(instance: Instance) -> bool:
+    """An object of a standard class that holds no image: an SR, a presentation state, a key object selection.
+    Where the header read cannot see Pixel Data (a deflated SR, as SRs often are), its class decides alone; the
+    classes with pixels whose names lack "Image Storage" are kept."""
+    sop_class = _sop_class(instance.dataset)
+    if sop_class is None or _has_image_class(instance.dataset):
+        return False
+    if _pixel_data_offset_is_known(instance):
+        return instance.pixel_data_offset is None
+    known = sop_class.name != sop_class  # pydicom names the standard classes it knows
+    return known and sop_class not in _PIXEL_CLASSES_NOT_NAMED_IMAGE
+
+
+_PIXEL_CLASSES_NOT_NAMED_IMAGE = frozenset({
+    "1.2.840.10008.5.1.4.1.1.66.4",  # Segmentation Storage
+    "1.2.840.10008.5.1.4.1.1.30",  # Parametric Map Storage
+    "1.2.840.10008.5.1.4.1.1.481.2",  # RT Dose Storage
+})
 
 
 def _pixel_data_offset_is_known(instance: Instance) -> bool:

@@ -68,12 +68,11 @@ def _string_list(value: Any, where: str) -> list[str] | None:
     return list(value)
 
 
-def _check_names(mapping: dict[Any, Any], path: Path, field: str) -> None:
+def _check_names(mapping: dict[Any, Any], path: Path, field: str, examples: str) -> None:
     """YAML reads `1:` or `true:` as a number or a boolean, where every key here is a name."""
     for key in mapping:
         if not isinstance(key, str):
-            raise PackagingError(f"{path}: {field} key {key!r} is not a name; expected a key such as title, cpu or "
-                                 "memory")
+            raise PackagingError(f"{path}: {field} key {key!r} is not a name; expected a name such as {examples}")
 
 
 def _check_resources(resources: Any, path: Path) -> dict[str, Any]:
@@ -85,7 +84,7 @@ def _check_resources(resources: Any, path: Path) -> dict[str, Any]:
         if not isinstance(fragments, dict) or not all(isinstance(f, dict) for f in fragments.values()):
             raise PackagingError(f"{path}: resources.fragments must map each fragment's name to its resources, got "
                                  f"{fragments!r}")
-        _check_names(fragments, path, "resources.fragments")
+        _check_names(fragments, path, "resources.fragments", "a fragment's name (quoted if it is a number)")
         for name, fragment in fragments.items():  # the runner takes the largest sharedMemory of them all
             _check_resource_values(fragment, path, f"resources.fragments.{name}")
     return dict(resources)
@@ -94,7 +93,7 @@ def _check_resources(resources: Any, path: Path) -> dict[str, Any]:
 def _check_resource_values(resources: dict[Any, Any], path: Path, field: str) -> None:
     """The resources of the app or of one fragment: known camelCase keys, finite positive amounts (a NaN or an
     infinity would make pkg.json invalid JSON; a negative sharedMemory becomes an unlimited /dev/shm)."""
-    _check_names(resources, path, field)
+    _check_names(resources, path, field, "cpu, gpu or memory")
     for key, value in resources.items():
         camel = _kebab_to_camel(key.replace("_", "-"))
         if key in RESOURCE_KEYS:
@@ -105,7 +104,7 @@ def _check_resource_values(resources: dict[Any, Any], path: Path, field: str) ->
         else:
             logger.warning("%s: unknown key %s.%s (kept in pkg.json, ignored by runners)", path, field, key)
             continue
-        if key in {"cpu", "cpuLimit"} and not (_is_number(value) and math.isfinite(value) and value > 0):
+        if key in {"cpu", "cpuLimit"} and not (_is_number(value) and _finite(value) and value > 0):
             raise PackagingError(f"{path}: {field}.{key} must be a positive number, got {value!r}")
         if key in {"gpu", "gpuLimit"} and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
             raise PackagingError(f"{path}: {field}.{key} must be a whole number >= 0, got {value!r}")
@@ -117,10 +116,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _finite(value: int | float) -> bool:
+    return isinstance(value, int) or math.isfinite(value)  # isfinite overflows on a 400-digit YAML integer
+
+
 def _check_size(value: Any, where: str) -> None:
     matched = _MEMORY.match(value) if isinstance(value, str) else None
     amount = float(matched.group(1)) if matched else value if _is_number(value) else math.nan
-    if not (math.isfinite(amount) and amount > 0):
+    if not (_finite(amount) and amount > 0):
         raise PackagingError(f"{where} must be a size above zero like '2Gi', '512Mi', '1GB', got {value!r}")
 
 
@@ -140,7 +143,7 @@ def _requirements(value: Any, path: Path) -> list[str] | None:
     packages = _string_list(value, f"{path}: application.pip-packages")
     for number, line in enumerate(packages or [], start=1):
         requirement = re.split(r"\s#|\s--", line, maxsplit=1)[0].strip()  # a comment, --hash options
-        if not requirement or line.startswith(("-", "#")) or "/" in line or line.endswith((".whl", ".tar.gz")):
+        if not requirement or requirement.startswith(("-", "#")) or "/" in line or line.endswith((".whl", ".tar.gz")):
             continue
         try:
             Requirement(requirement)
@@ -184,7 +187,7 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     for key in APPLICATION_KEYS.intersection(data):  # other top-level sections may configure the app's operators
         logger.warning("%s: %s at the top level is ignored by the packager; it belongs under application", path, key)
 
-    _check_names(application, path, "application")
+    _check_names(application, path, "application", "title, version or input-formats")
     for key in application:
         if key in APPLICATION_KEYS:
             continue
@@ -203,6 +206,8 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     if not title.isprintable():  # it becomes an image label and a line of `medserve inspect`
         raise PackagingError(f"{path}: application.title {title!r} must be one line of printable text")
     version = application.get("version")
+    if isinstance(version, (list, dict)) and not version_override:
+        raise PackagingError(f"{path}: application.version must be a string, got {version!r}")
     if version is not None and not isinstance(version, str) and not version_override:
         written = _written_text(text, ("application", "version"), version)
         raise PackagingError(f"{path}: application.version {written} was read by YAML as {version!r}, not as the "

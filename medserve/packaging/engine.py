@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 
 from medserve import net
 from medserve.errors import PackagingError
-from medserve.stopping import Terminated
 
 logger = logging.getLogger("medserve.packaging.engine")
 
@@ -84,9 +83,9 @@ def stream(argv: Sequence[str], what: str, on_line: Callable[[str], None], env: 
                 tail = (tail + [line])[-15:]
                 on_line(line)
         except BaseException as error:
-            # SIGTERM/SIGHUP reached us alone; Ctrl-C in a terminal reached the tool too, which then cleans up on
-            # its own, and a second SIGINT could cut that short.
-            _interrupt(process, on_its_own=0.0 if isinstance(error, Terminated) else 10.0)
+            # Ctrl-C in a terminal reached the tool too, which then cleans up on its own (a second SIGINT could cut
+            # that short); SIGTERM/SIGHUP reached us alone, and any other failure here signalled nothing.
+            _interrupt(process, on_its_own=10.0 if type(error) is KeyboardInterrupt else 0.0)
             raise
         code = process.wait()
     if code != 0:  # the tool's last lines, on the error's one line; the whole output is in the debug log
@@ -98,17 +97,17 @@ def _interrupt(process: subprocess.Popen, on_its_own: float, cleaning_up: float 
     """End a tool we were interrupted in, as Ctrl-C in a terminal ends it, so that it removes its working
     containers: a SIGTERM to us alone left buildah running pip, orphaned, and its containers behind. It is given
     `on_its_own` seconds to end without our signal first."""
-    try:
-        process.wait(timeout=on_its_own)
+    try:  # communicate, not wait: a tool that writes while it cleans up must not block on a full pipe
+        process.communicate(timeout=on_its_own)
         return
     except subprocess.TimeoutExpired:
         pass
     process.send_signal(signal.SIGINT)
     try:
-        process.wait(timeout=cleaning_up)
+        process.communicate(timeout=cleaning_up)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait()
+        process.communicate()
 
 
 def registry_host(reference: str) -> str | None:

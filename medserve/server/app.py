@@ -116,8 +116,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         try:
             jobs = JobQueue(config, store, metrics)
         except sqlite3.DatabaseError as error:  # damaged, not a database, or read-only: before anything is removed
-            raise UnusableDataDir(f"{config.db_path}: cannot be used as the job database ({error}); restore it, or "
-                                  f"move it and jobs/ away to start afresh") from error
+            remedy = ("make it writable" if "readonly" in str(error) else
+                      "restore it, or move it and jobs/ away to start afresh")
+            raise UnusableDataDir(f"{config.db_path}: cannot be used as the job database ({error}); {remedy}") \
+                from error
         shutil.rmtree(config.tmp_dir, ignore_errors=True)  # sync-request scratch from a previous run
         config.tmp_dir.mkdir(parents=True, exist_ok=True)
         metrics.watch_jobs(jobs.counts)

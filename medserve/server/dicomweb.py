@@ -173,6 +173,7 @@ class DicomWebClient:
 
     def store(self, files: list[Path]) -> dict:
         """STOW-RS the files (the SEG) to the store; returns the store's JSON answer."""
+        sent = [_sop_instance_uid(path) for path in files]  # a SEG that cannot be read fails before it is sent
         boundary = uuid.uuid4().hex
         part_head = f"--{boundary}\r\nContent-Type: application/dicom\r\n\r\n".encode()
         closing = f"--{boundary}--\r\n".encode()
@@ -212,7 +213,7 @@ class DicomWebClient:
                                 r.status_code >= 500)
         stored = _stored_instances(answer)
         if stored is not None:  # an answer that lists what it stored must list what was sent
-            missing = [path.name for path in files if _sop_instance_uid(path) not in stored]
+            missing = [path.name for path, uid in zip(files, sent) if uid not in stored]
             if missing:
                 raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered {r.status_code} but its "
                                     f"ReferencedSOPSequence does not list {len(missing)} of the {len(files)} "
@@ -234,21 +235,33 @@ def _stow_answer(response: httpx.Response) -> dict | None:
 
 
 def _json_from_xml(text: str) -> dict | None:
-    """The Failed SOP Sequence of a DICOM XML answer as DICOM JSON (the one part of it we read)."""
+    """The parts of a DICOM XML answer we read, as DICOM JSON: the Failed SOP Sequence's failure reasons and the
+    Referenced SOP Sequence's instance UIDs."""
     try:
         root = ElementTree.fromstring(text)
     except ElementTree.ParseError:
         return None
-    items = []
+    answer: dict = {}
     for sequence in root.iter("DicomAttribute"):
-        if sequence.get("tag", "").upper() != FAILED_SOP_SEQUENCE:
-            continue
-        for item in sequence.findall("Item"):
-            reason = next((attribute.findtext("Value") for attribute in item.findall("DicomAttribute")
-                           if attribute.get("tag", "").upper() == FAILURE_REASON), None)
-            code = int(reason) if reason is not None and reason.strip().isdigit() else None
-            items.append({FAILURE_REASON: {"vr": "US", "Value": [code]}} if code is not None else {})
-    return {FAILED_SOP_SEQUENCE: {"vr": "SQ", "Value": items}} if items else {}
+        tag = sequence.get("tag", "").upper()
+        if tag == FAILED_SOP_SEQUENCE:
+            items = []
+            for item in sequence.findall("Item"):
+                reason = _xml_value(item, FAILURE_REASON)
+                code = int(reason) if reason is not None and reason.strip().isdigit() else None
+                items.append({FAILURE_REASON: {"vr": "US", "Value": [code]}} if code is not None else {})
+            if items:
+                answer[tag] = {"vr": "SQ", "Value": items}
+        elif tag == REFERENCED_SOP_SEQUENCE:
+            uids = [_xml_value(item, REFERENCED_SOP_INSTANCE_UID) for item in sequence.findall("Item")]
+            answer[tag] = {"vr": "SQ", "Value": [{REFERENCED_SOP_INSTANCE_UID: {"vr": "UI", "Value": [uid]}}
+                                                 for uid in uids if uid]}
+    return answer
+
+
+def _xml_value(item: ElementTree.Element, tag: str) -> str | None:
+    return next((attribute.findtext("Value") for attribute in item.findall("DicomAttribute")
+                 if attribute.get("tag", "").upper() == tag), None)
 
 
 def _refused_instances(answer: object) -> list[dict]:

@@ -57,7 +57,11 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     handle.flush()
     try:
         _refuse_lost_database(data_dir)
-    except MedserveError:
+    except OSError as error:  # jobs/ that cannot be listed
+        handle.close()
+        raise UnusableDataDir(f"data dir {data_dir}: {error.filename or 'jobs'} cannot be read "
+                              f"({error.strerror or error})") from error
+    except BaseException:
         handle.close()
         raise
     return handle

@@ -629,6 +629,16 @@ def test_a_stow_answer_that_does_not_list_the_instance_sent_is_a_refusal(tmp_pat
         listed = {"00081199": {"vr": "SQ", "Value": [{"00081155": {"vr": "UI", "Value": [uid]}}]}}
         store.stow_answer = (200, listed)
         assert DicomWebClient(store.url, 10).store([seg]) == listed
+        item = f'<Item number="1"><DicomAttribute tag="00081155" vr="UI"><Value number="1">{uid}</Value>' \
+               '</DicomAttribute></Item>'
+        for items, stored in (("", False), (item, True)):  # the same read from a DICOM XML answer
+            store.stow_answer = (200, f'<NativeDicomModel><DicomAttribute tag="00081199" vr="SQ">{items}'
+                                      '</DicomAttribute></NativeDicomModel>')
+            if stored:
+                assert DicomWebClient(store.url, 10).store([seg]) == listed
+            else:
+                with pytest.raises(DicomWebError, match="ReferencedSOPSequence does not list 1 of the 1"):
+                    DicomWebClient(store.url, 10).store([seg])
 
 
 def test_an_unforeseen_failure_is_a_json_500_without_internals(thr_server, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -813,7 +813,8 @@ def test_a_damaged_or_lost_job_database_stops_the_start_before_anything_is_remov
     else:
         database.unlink()
     expected = {"emptied": r"jobs.sqlite is empty but jobs/ holds 1 job result\(s\): a start would delete them",
-                "removed": r"jobs.sqlite is missing but jobs/ holds 1 job result\(s\)"}.get(
+                "removed": r"jobs.sqlite is missing but jobs/ holds 1 job result\(s\)",
+                "read-only": r"jobs.sqlite: cannot be used as the job database \(.*readonly.*\); make it writable"}.get(
         damage, r"jobs.sqlite: cannot be used as the job database \(.*\); restore it, or move it and jobs/ away")
     try:
         if damage == "read-only" and os.access(database, os.W_OK):
