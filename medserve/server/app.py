@@ -301,12 +301,15 @@ def create_app(config: ServerConfig) -> FastAPI:
                                                     "Idempotent-Replayed": "true"})
 
     @app.get("/v1/jobs", tags=["jobs"], dependencies=[Depends(require("infer"))])
-    async def list_jobs(state: str | None = None, limit: int = 100) -> dict[str, Any]:
+    async def list_jobs(state: str | None = None, limit: int = 100, offset: int = 0) -> dict[str, Any]:
+        """Newest first; `offset` pages on (with `limit` at most 1000 a page, older jobs were out of reach)."""
         if state is not None and state not in STATES:
             raise ApiError(400, "bad_parameter", f"state {state!r} is not one of {', '.join(STATES)}")
         if not 1 <= limit <= MAX_JOBS_LISTED:
             raise ApiError(400, "bad_parameter", f"limit {limit} is not between 1 and {MAX_JOBS_LISTED}")
-        return {"jobs": jobs.list(state, limit)}
+        if offset < 0:
+            raise ApiError(400, "bad_parameter", f"offset {offset} is negative; expected 0 or more")
+        return {"jobs": jobs.list(state, limit, offset)}
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"], dependencies=[Depends(require("infer"))])
     async def get_job(job_id: str) -> dict[str, Any]:

@@ -222,11 +222,13 @@ class JobQueue:
     def get(self, job_id: str) -> dict[str, Any]:
         return self._public(self._row(job_id))
 
-    def list(self, state: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+    def list(self, state: str | None = None, limit: int = 100, offset: int = 0) -> list[dict[str, Any]]:
+        """Newest first, ties in id order, so that pages with `offset` neither repeat nor skip a job."""
         if state:
-            rows = self._exec("SELECT * FROM jobs WHERE state=? ORDER BY created DESC LIMIT ?", (state, limit))
+            rows = self._exec("SELECT * FROM jobs WHERE state=? ORDER BY created DESC, id LIMIT ? OFFSET ?",
+                              (state, limit, offset))
         else:
-            rows = self._exec("SELECT * FROM jobs ORDER BY created DESC LIMIT ?", (limit,))
+            rows = self._exec("SELECT * FROM jobs ORDER BY created DESC, id LIMIT ? OFFSET ?", (limit, offset))
         return [self._public(r) for r in rows]
 
     def counts(self) -> dict[str, int]:

@@ -399,6 +399,26 @@ def test_a_job_whose_input_was_removed_behind_the_servers_back_fails_saying_so(m
                                                             "again"), failed
 
 
+def test_the_job_list_pages_on_with_offset(base_config, thr_server, study: Path) -> None:
+    """`offset` was ignored and `limit` stops at 1000: older jobs could not be listed at all."""
+    from medserve.server.inputs import InputSpec
+    from medserve.server.jobs import JobQueue
+    from medserve.server.store import ModelStore
+
+    queue = JobQueue(base_config, ModelStore(base_config))  # no workers: the jobs stay queued
+    try:
+        for number in range(5):
+            queue.submit(f"job-{number}", "demo", InputSpec("dicom", queue.job_dir(f"job-{number}")), False, None)
+        pages = [[job["id"] for job in queue.list(limit=2, offset=offset)] for offset in (0, 2, 4, 6)]
+    finally:
+        queue.close()
+    assert sorted(sum(pages, [])) == [f"job-{number}" for number in range(5)] and pages[-1] == []
+    assert [len(page) for page in pages] == [2, 2, 1, 0]
+    r = httpx.get(thr_server.url + "/v1/jobs?offset=-1")
+    assert r.status_code == 400 and r.json() == {"error": "bad_parameter",
+                                                 "message": "offset -1 is negative; expected 0 or more"}, r.text
+
+
 def test_a_job_cancelled_while_running_leaves_no_files_after_a_crash(base_config, study: Path) -> None:
     """Cancelled while it ran, and the server died before the worker noticed: the next start removes what the
     job left (its input, a partial result), as the worker would have."""
