@@ -451,6 +451,23 @@ def bundle_with_scripts(root: Path, threshold_bundle: Path, flipped: bool) -> Pa
     return root
 
 
+def test_a_bundle_package_named_like_an_installed_one_does_not_replace_it(tmp_path, threshold_bundle, caplog):
+    """A `torch/` (or `monai/`) folder in a bundle took the process's torch out of sys.modules while the bundle
+    loaded: a confusing failure, and in the server every other thread's torch gone meanwhile."""
+    import sys
+
+    bundle = bundle_with_scripts(tmp_path / "shadowing", threshold_bundle, flipped=False)
+    (bundle / "torch").mkdir()
+    (bundle / "torch" / "__init__.py").write_text("raise ImportError('the bundle folder torch was imported')\n")
+    torch_before = sys.modules["torch"]
+    with caplog.at_level(logging.WARNING, logger="medserve.bundle"):
+        predictor = BundlePredictor.from_dir(bundle, device="cpu")
+    assert sys.modules["torch"] is torch_before and "scripts" not in sys.modules
+    assert any("its top-level modules torch have the names of installed packages" in m for m in caplog.messages)
+    volume, _ = phantom_volume(bone=False)
+    assert dice(predictor.predict(volume), volume.array > THRESHOLD_HU) > 0.93
+
+
 def test_bundles_with_their_own_scripts_package_load_side_by_side(tmp_path, threshold_bundle):
     import sys
 

@@ -14,13 +14,16 @@ inference time; every import has to happen while the bundle loads, as module-lev
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 from collections.abc import Iterator
+from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
 _LOADING = threading.Lock()
+log = logging.getLogger("medserve.bundle")
 
 
 def top_level_modules(root: Path) -> set[str]:
@@ -34,8 +37,17 @@ def top_level_modules(root: Path) -> set[str]:
 
 @contextlib.contextmanager
 def bundle_code(root: Path) -> Iterator[None]:
-    """Within this context, the bundle at `root` can import its own modules by their top-level names."""
+    """Within this context, the bundle at `root` can import its own modules by their top-level names, except those
+    named like an installed package the process has imported (a `torch/` in the bundle folder): taking torch out
+    of sys.modules while the bundle loads would break everything else in the process that uses it."""
     names = top_level_modules(root)
+    if names:
+        installed = set(metadata.packages_distributions())
+        clashing = sorted(name for name in names if name in installed and name in sys.modules)
+        if clashing:
+            log.warning("bundle %s: its top-level modules %s have the names of installed packages the process "
+                        "uses; they are not imported from the bundle", root.resolve().name, ", ".join(clashing))
+        names -= set(clashing)
     if not names:
         yield
         return
