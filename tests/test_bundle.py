@@ -792,6 +792,21 @@ def test_postprocessing_output_that_is_not_a_label_map_is_refused_saying_what_it
         BundlePredictor.from_dir(bundle, device="cpu").predict(phantom_volume()[0])
 
 
+def test_postprocessing_that_keeps_the_largest_connected_component_runs(tmp_path, threshold_bundle):
+    """KeepLargestConnectedComponentd, common in published bundles' postprocessing, needs scikit-image on the CPU:
+    without it the run stopped with "Skimage.measure required"."""
+    from scipy import ndimage
+
+    volume, _ = phantom_volume()  # with bone: several structures above the threshold
+    everything = BundlePredictor.from_dir(threshold_bundle, device="cpu").predict(volume)
+    components, count = ndimage.label(everything == 1, structure=np.ones((3, 3, 3)))  # MONAI: full connectivity
+    assert count > 1
+    largest = components == 1 + np.argmax(ndimage.sum_labels(everything == 1, components, range(1, count + 1)))
+    keep = {"_target_": "KeepLargestConnectedComponentd", "keys": "pred", "applied_labels": [1]}
+    bundle = edited_bundle(tmp_path / "largest", appended_to_postprocessing(keep))
+    np.testing.assert_array_equal(BundlePredictor.from_dir(bundle, device="cpu").predict(volume), largest)
+
+
 @pytest.mark.parametrize("step", [
     "$lambda d: {**d, 'pred': d['pred'].numpy()[..., ::-1].copy()[..., ::-1]}",
     "$lambda d: {**d, 'pred': d['pred'].numpy().astype('float32')}",
