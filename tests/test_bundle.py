@@ -19,7 +19,7 @@ from medserve.bundle.predictor import BundlePredictor
 from medserve.demo.phantom import dice, make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.errors import BundleError, InferenceError, InferenceOutOfMemory
-from tests.conftest import MODEL_ZOO, THRESHOLD_HU, make_threshold_bundle, run_app
+from tests.conftest import MODEL_ZOO, THRESHOLD_HU, make_threshold_bundle, run_app, run_unprivileged
 from tests.test_volume import ORIENTATIONS
 
 
@@ -567,6 +567,19 @@ def test_weights_file_that_is_not_a_state_dict_is_refused_saying_what_it_is(tmp_
     with pytest.raises(BundleError, match=r"model.pt: " + message) as caught:
         BundlePredictor.from_dir(bundle)
     assert "\n" not in str(caught.value) and "\x1b" not in str(caught.value)
+
+
+def test_weights_that_cannot_be_read_are_a_user_error(tmp_path, threshold_bundle):
+    """Explaining torch's refusal opened the file again, and an unreadable one raised PermissionError: exit 1."""
+    bundle = tmp_path / "unreadable"
+    shutil.copytree(threshold_bundle, bundle)
+    (bundle / "models" / "model.pt").chmod(0)
+    code = ("import sys; from medserve.bundle import BundlePredictor; from medserve.errors import BundleError\n"
+            "try:\n    BundlePredictor.from_dir(sys.argv[1], device='cpu')\n"
+            "except BundleError as error:\n    print(error)")
+    shown = run_unprivileged(code, bundle)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.strip().endswith("models/model.pt: cannot be read (Permission denied)"), shown.stdout
 
 
 def test_missing_metadata_is_refused(tmp_path, threshold_bundle):

@@ -23,7 +23,7 @@ from medserve.packaging import engine, registry
 from medserve.packaging import run as map_run
 from medserve.errors import PackagingError
 from medserve.packaging.run import RunRequest, run_argv, ulimits
-from medserve.stopping import Terminated
+from medserve.stopping import Terminated, termination_as_interrupt
 
 APP_JSON = {"workingDirectory": "/var/holoscan", "input": {"path": "input/"}, "output": {"path": "output/"},
             "environment": {"HOLOSCAN_INPUT_PATH": "input/", "HOLOSCAN_OUTPUT_PATH": "output/"}}
@@ -359,3 +359,19 @@ def test_a_failed_build_is_one_error_line_with_the_builders_last_lines() -> None
     assert message.startswith(f"building x:1 failed ({sys.executable} exit 1): STEP 26: xxx")
     assert message.endswith(" | ERROR: Invalid requirement: not a req !! | error building at STEP 9: exit status 1")
     assert "\n" not in message and len(message) < 1600
+
+
+def test_a_second_sigterm_does_not_cut_the_first_ones_clean_up_short() -> None:
+    """A supervisor that sends SIGTERM twice interrupted the removal of the containers the first one started."""
+    cleaned: list[bool] = []
+    with pytest.raises(Terminated):
+        with termination_as_interrupt():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # again, while cleaning up
+                time.sleep(0.2)
+                cleaned.append(True)
+    assert cleaned == [True]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL

@@ -23,7 +23,7 @@ import pytest
 from medserve.errors import ConfigurationError
 from medserve.server.app import create_app
 from medserve.server.lock import DataDirInUse, lock_data_dir
-from tests.conftest import make_threshold_bundle
+from tests.conftest import make_threshold_bundle, run_unprivileged
 from tests.server.conftest import (REPO, FakeDicomWeb, ServerProcess, add_bundle, free_port, multipart_files,
                                    small_study, with_thr)
 
@@ -846,6 +846,21 @@ def test_a_damaged_or_lost_job_database_stops_the_start_before_anything_is_remov
             subprocess.run(["umount", str(database)], check=True)
     assert (result / "seg.dcm").read_bytes() == b"a result" and (data / "tmp" / "scratch").exists()
     assert not _data_dir_locked(data)  # given back for the corrected retry
+
+
+def test_a_jobs_folder_that_cannot_be_listed_is_one_error(tmp_path: Path) -> None:
+    """The lost-database check lists jobs/: a folder it cannot read was a traceback."""
+    (tmp_path / "data" / "jobs").mkdir(parents=True)
+    (tmp_path / "data" / "jobs").chmod(0)
+    code = ("import sys; from pathlib import Path; from medserve.server.lock import UnusableDataDir, lock_data_dir\n"
+            "try:\n    lock_data_dir(Path(sys.argv[1]))\nexcept UnusableDataDir as error:\n    print(error)")
+    try:
+        shown = run_unprivileged(code, tmp_path / "data")
+    finally:
+        (tmp_path / "data" / "jobs").chmod(0o755)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.strip() == (f"data dir {tmp_path / 'data'}: {tmp_path / 'data' / 'jobs'} cannot be read "
+                                    "(Permission denied)")
 
 
 def _data_dir_locked(data: Path) -> bool:
