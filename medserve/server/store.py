@@ -489,12 +489,17 @@ class ModelStore:
                 raise BundleError(entry.error or f"{name} failed to load")
             if current is None or fingerprint(entry.path) != current:  # changed since it settled, maybe mid-copy
                 raise self._settling(entry)
+            before = entry.state
             if entry.predictor is None:
                 entry.state = "loading"
             start = time.monotonic()
             try:
                 predictor = _default_loader(entry.path, self.config.device)
             except Exception as error:
+                if not entry.path.exists():  # the folder went while it loaded: its removal, not a broken bundle
+                    entry.state = before  # not `loading` for good: the next scan drops the entry
+                    raise ApiError(404, "unknown_model", f"model {name!r} was removed from the store while it "
+                                   "loaded") from error
                 message = self._reason(error)
                 log.warning("bundle %s failed to load: %s", name, message)
                 with self._lock:

@@ -57,6 +57,28 @@ def _models(url: str) -> dict[str, dict]:
     return {m["name"]: m for m in httpx.get(url + "/v1/models").json()["models"]}
 
 
+def test_a_bundle_removed_while_it_loads_is_gone_not_failed(make_server, study: Path, monkeypatch) -> None:
+    """The request that set off the load got 409 model_failed for a folder that was being deleted (a flaky
+    'remove while in flight' in the test below): the model is gone, 404."""
+    from medserve.errors import BundleError
+    from medserve.server import store as store_module
+
+    server = make_server()
+    add_bundle(server.config.store, "going")
+    server.store.wait_until("going", ("loaded",), 30)  # loaded at once (it fits): unloaded, a request loads it
+    assert httpx.post(server.url + "/v1/models/going/unload").status_code == 200
+    server.store.wait_until("going", ("unloaded",), 30)
+
+    def removed_meanwhile(path: Path, device: str) -> None:
+        shutil.rmtree(path)
+        raise BundleError(f"bundle {path}: configs/metadata.json is missing")
+
+    monkeypatch.setattr(store_module, "_default_loader", removed_meanwhile)
+    r = httpx.post(server.url + "/v1/models/going/infer", files=multipart_files(study), timeout=60)
+    assert r.status_code == 404 and r.json() == {"error": "unknown_model", "message": "model 'going' was removed "
+                                                 "from the store while it loaded"}, r.text
+
+
 def test_drop_half_copy_broken_replace_remove(make_server, study: Path, tmp_path: Path) -> None:
     server = make_server(stable_seconds=1.5)
     store, url = server.config.store, server.url
