@@ -202,7 +202,7 @@ class DicomWebClient:
                                 f"with an answer that is neither DICOM JSON nor XML: {r.text[:200]!r}", False)
         # A store may take some instances and refuse others (200 or 202), or refuse all (409): either way the
         # refused ones are listed in the Failed SOP Sequence, whatever the status says.
-        refused = _refused_instances(answer)
+        refused = _sequence_items(answer, FAILED_SOP_SEQUENCE) or []
         if refused:
             reasons = ", ".join(sorted({_failure_reason(item) for item in refused}))
             raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered {r.status_code} but the store "
@@ -264,27 +264,29 @@ def _xml_value(item: ElementTree.Element, tag: str) -> str | None:
                  if attribute.get("tag", "").upper() == tag), None)
 
 
-def _refused_instances(answer: object) -> list[dict]:
-    """The items of a STOW-RS answer's Failed SOP Sequence (0008,1198), in DICOM JSON."""
-    sequence = answer.get(FAILED_SOP_SEQUENCE) if isinstance(answer, dict) else None
-    items = sequence.get("Value") if isinstance(sequence, dict) else None
+def _sequence_items(answer: object, tag: str) -> list[dict] | None:
+    """The items of a STOW-RS answer's sequence `tag` (DICOM JSON); None when the answer has no such sequence."""
+    sequence = answer.get(tag) if isinstance(answer, dict) else None
+    if not isinstance(sequence, dict):
+        return None
+    items = sequence.get("Value")
     return [item for item in items if isinstance(item, dict)] if isinstance(items, list) else []
+
+
+def _first_value(item: dict, tag: str) -> object:
+    """The first value of the element `tag` of a DICOM JSON item; None when it has none."""
+    element = item.get(tag)
+    values = element.get("Value") if isinstance(element, dict) else None
+    return values[0] if isinstance(values, list) and values else None
 
 
 def _stored_instances(answer: object) -> set[str] | None:
     """The SOP Instance UIDs a STOW-RS answer's Referenced SOP Sequence (0008,1199) lists as stored; None when the
     answer has no such sequence (an empty answer, which some stores give)."""
-    sequence = answer.get(REFERENCED_SOP_SEQUENCE) if isinstance(answer, dict) else None
-    if not isinstance(sequence, dict):
+    items = _sequence_items(answer, REFERENCED_SOP_SEQUENCE)
+    if items is None:
         return None
-    items = sequence.get("Value")
-    uids = set()
-    for item in items if isinstance(items, list) else []:
-        element = item.get(REFERENCED_SOP_INSTANCE_UID) if isinstance(item, dict) else None
-        values = element.get("Value") if isinstance(element, dict) else None
-        if isinstance(values, list) and values:
-            uids.add(str(values[0]))
-    return uids
+    return {str(uid) for item in items if (uid := _first_value(item, REFERENCED_SOP_INSTANCE_UID)) is not None}
 
 
 def _sop_instance_uid(path: Path) -> str:
@@ -293,9 +295,7 @@ def _sop_instance_uid(path: Path) -> str:
 
 def _failure_reason(item: dict) -> str:
     """An item's Failure Reason (0008,1197) as `0xA700 (out of resources)`; "unknown" when it has none."""
-    element = item.get(FAILURE_REASON)
-    values = element.get("Value") if isinstance(element, dict) else None
-    code = values[0] if isinstance(values, list) and values else None
+    code = _first_value(item, FAILURE_REASON)
     if not isinstance(code, int):
         return "unknown"
     name = FAILURE_REASONS.get(code)
