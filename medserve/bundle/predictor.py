@@ -428,11 +428,13 @@ class BundlePredictor:
         refused. An input whose own affine is the identity leaves nothing to tell apart."""
         affine = scores.affine if isinstance(scores, MetaTensor) else None
         identity = np.eye(4)
-        if (affine is None or not np.array_equal(np.asarray(affine), identity)
-                or np.array_equal(ras_affine(volume), identity)):
+        if affine is None or not np.array_equal(np.asarray(affine), identity):
+            return affine
+        input_affine = ras_affine(volume)
+        if np.array_equal(input_affine, identity):
             return affine
         inverted = self._inverts_preprocessing or network_affine is None  # a plain tensor fed the network
-        grid, grid_shape = (ras_affine(volume), volume.array.shape[::-1]) if inverted else (
+        grid, grid_shape = (input_affine, volume.array.shape[::-1]) if inverted else (
             np.asarray(network_affine, dtype=np.float64), network_shape)
         if tuple(scores.shape[-3:]) != tuple(grid_shape):
             raise InferenceError(f"bundle {self.name}: postprocessing returned '{self.output_key}' of shape "
