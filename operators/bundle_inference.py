@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monai.deploy.core import Fragment, Operator, OperatorSpec
+from monai.deploy.core import Fragment, OperatorSpec
 
 from medserve.bundle.predictor import BundlePredictor, as_volume
-from operators.failures import reports_failures
+from operators.arguments import predictor_argument
+from operators.failures import RunEndingOperator, reports_failures
 
 
-class BundleInferenceOperator(Operator):
+class BundleInferenceOperator(RunEndingOperator):
     """Segment a volume with a bundle loaded once, at construction, and reused for every volume.
 
     Named input:
@@ -27,7 +28,7 @@ class BundleInferenceOperator(Operator):
     """
 
     def __init__(self, fragment: Fragment, *args, predictor: BundlePredictor, **kwargs):
-        self.predictor = predictor
+        self.predictor = predictor_argument("BundleInferenceOperator", predictor)
         super().__init__(fragment, *args, **kwargs)
 
     @classmethod

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
+from monai.deploy.core import ConditionType, Fragment, OperatorSpec
 
 from medserve.dicom.index import index_folder
 from medserve.errors import DicomInputError
-from operators.failures import reports_failures
+from operators.failures import RunEndingOperator, reports_failures
 
 
-class DicomLoaderOperator(Operator):
+class DicomLoaderOperator(RunEndingOperator):
     """Index the DICOM files under a folder (recursively); pixel data is read later, for the selected series.
 
     `exclude`: a folder under the input folder to leave out (the app's own output folder).

@@ -2,8 +2,8 @@
 clear message and a non-zero exit rather than a traceback.
 
 By default an operator's error propagates as a stock operator's does: Holoscan logs it and re-raises it out of
-`Application.run()`, so a user's own graph fails loudly. An app that calls `watch_failures(app)` before each run
-takes the reporting over (apps/bundle_seg does): an operator's compute wrapped with `reports_failures` then
+`Application.run()`, so a user's own graph fails loudly. An app that calls `watch_failures(app)` takes the
+reporting over for its runs (apps/bundle_seg does): an operator's compute wrapped with `reports_failures` then
 records the first failure on its fragment (the application), emits nothing and stops the fragment, so
 downstream operators never run on partial data and operators waiting for the failed one's output do not wait
 forever; the app's entry point then prints the message, removes the files this run wrote, and exits non-zero. A
@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
+
+from monai.deploy.core import Operator
 
 from medserve.errors import MedserveError
 
@@ -55,6 +57,12 @@ class RunRecord:
     failure: Failure | None = None
     outputs: list[Path] = field(default_factory=list)
     watched: bool = False  # failures are recorded here, not raised out of Application.run()
+    ended: bool = False  # the run it describes has ended: the next compute starts a new one
+
+    def clear(self) -> None:
+        self.failure = None
+        self.outputs.clear()
+        self.ended = False
 
     def fail(self, where: str, error: Exception) -> None:
         """Keep the run's first failure; an internal one's traceback goes to the debug log."""
@@ -74,17 +82,33 @@ def run_record(fragment: Any) -> RunRecord:
 
 
 def watch_failures(fragment: Any) -> RunRecord:
-    """Take over failure reporting for the next run of `fragment` (call it before each `run()`): the first
-    failure is recorded in the returned record, with the files the run wrote, instead of being raised."""
-    record = RunRecord(watched=True)
-    setattr(fragment, _RUN_ATTRIBUTE, record)
+    """Take over failure reporting for `fragment`'s runs: the first failure is recorded in the returned record,
+    with the files the run wrote, instead of being raised. The record describes the latest run: it is cleared
+    when the next run's first operator computes (our operators mark a run's end as they stop), so an earlier
+    run's failure cannot silence the next one (its operators would skip every compute), nor its files be taken
+    for the next one's. Calling it again returns the same record, cleared."""
+    record = getattr(fragment, _RUN_ATTRIBUTE, None)
+    if record is None or not record.watched:
+        record = RunRecord(watched=True)
+        setattr(fragment, _RUN_ATTRIBUTE, record)
+    record.clear()
     return record
+
+
+class RunEndingOperator(Operator):
+    """The base of our operators: its stop(), which Holoscan calls on each operator as a run ends, marks the run
+    record ended, so that the next run of the same fragment starts with a clear one."""
+
+    def stop(self) -> None:
+        run_record(self.fragment).ended = True
 
 
 def reports_failures(compute: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(compute)
     def wrapper(self: Any, op_input: Any, op_output: Any, context: Any) -> None:
         record = run_record(self.fragment)
+        if record.ended:
+            record.clear()
         if not record.watched:
             compute(self, op_input, op_output, context)
             return

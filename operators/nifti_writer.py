@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
+from monai.deploy.core import ConditionType, Fragment, OperatorSpec
 
 from medserve.bundle.predictor import as_volume
 from medserve.pipeline import NIFTI_NAME
 from medserve.writers.nifti import write_nifti
-from operators.failures import records_output, reports_failures
+from operators.arguments import folder_argument
+from operators.failures import RunEndingOperator, records_output, reports_failures
 
 
-class NiftiWriterOperator(Operator):
+class NiftiWriterOperator(RunEndingOperator):
     """Write `labels.nii.gz` (uint16, RAS affine of the source volume) into the output folder.
 
     Named inputs:
@@ -28,7 +29,7 @@ class NiftiWriterOperator(Operator):
     """
 
     def __init__(self, fragment: Fragment, *args, output_folder: Path | str, **kwargs):
-        self.output_folder = Path(output_folder)
+        self.output_folder = folder_argument("NiftiWriterOperator", "output_folder", output_folder)
         super().__init__(fragment, *args, **kwargs)
 
     def setup(self, spec: OperatorSpec):

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import time
 
-from monai.deploy.core import Fragment, Operator, OperatorSpec
+from monai.deploy.core import Fragment, OperatorSpec
 
 from medserve.pipeline import segment_counts, summary_line
-from operators.failures import reports_failures
+from medserve.writers.labels import label_array
+from operators.failures import RunEndingOperator, reports_failures
 
 
-class ResultSummaryOperator(Operator):
+class ResultSummaryOperator(RunEndingOperator):
     """One line on stdout: the files written, the segments found with their voxel counts, the elapsed time.
 
     Named inputs:
-        label_map: the uint16 label map.
+        label_map: the label map: a numpy array, or an SDK `Image` holding one (as the writers take it).
         seg_path: Path from SegWriterOperator.
         nifti_path: Path from NiftiWriterOperator; declared only when `nifti` is true, and then waited for.
     """
@@ -34,7 +35,7 @@ class ResultSummaryOperator(Operator):
 
     @reports_failures
     def compute(self, op_input, op_output, context):
-        counts = segment_counts(op_input.receive("label_map"), self.labels)
+        counts = segment_counts(label_array(op_input.receive("label_map")), self.labels)
         paths = [op_input.receive("seg_path")]
         if self.nifti:
             paths.append(op_input.receive("nifti_path"))

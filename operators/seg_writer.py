@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
+from monai.deploy.core import ConditionType, Fragment, OperatorSpec
 from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
 from pydicom.dataset import Dataset
 
@@ -14,10 +14,11 @@ from medserve.dicom.volume import LoadedSeries, datasets_in_slice_order
 from medserve.pipeline import SEG_NAME, segmentation_of
 from medserve.writers.labels import label_array
 from medserve.writers.seg import write_seg
-from operators.failures import records_output, reports_failures
+from operators.arguments import folder_argument, predictor_argument
+from operators.failures import RunEndingOperator, records_output, reports_failures
 
 
-class SegWriterOperator(Operator):
+class SegWriterOperator(RunEndingOperator):
     """Write `seg.dcm` (highdicom, BINARY, empty frames omitted) into the output folder.
 
     Segment names and codes come from the predictor's bundle metadata.
@@ -41,8 +42,8 @@ class SegWriterOperator(Operator):
     """
 
     def __init__(self, fragment: Fragment, *args, output_folder: Path | str, predictor: BundlePredictor, **kwargs):
-        self.output_folder = Path(output_folder)
-        self.predictor = predictor
+        self.output_folder = folder_argument("SegWriterOperator", "output_folder", output_folder)
+        self.predictor = predictor_argument("SegWriterOperator", predictor)
         super().__init__(fragment, *args, **kwargs)
 
     def setup(self, spec: OperatorSpec):

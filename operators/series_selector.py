@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from monai.deploy.core import ConditionType, Fragment, Operator, OperatorSpec
+from monai.deploy.core import ConditionType, Fragment, OperatorSpec
 from monai.deploy.core.domain.dicom_series_selection import SelectedSeries as SdkSelectedSeries
 from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
 
@@ -13,13 +13,14 @@ from medserve.dicom.select import SelectedSeries, load_rules, select_series
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.volume import ordered_instances
 from medserve.errors import VolumeError
-from operators.failures import reports_failures
+from operators.arguments import flag_argument
+from operators.failures import RunEndingOperator, reports_failures
 from operators.sdk_domain import sdk_series, sdk_study
 
 _DEFER_BYTES = 4096
 
 
-class SeriesSelectorOperator(Operator):
+class SeriesSelectorOperator(RunEndingOperator):
     """Select series by rules (same JSON and matching semantics as DICOMSeriesSelectorOperator).
 
     rules: a JSON string, a JSON file or a dict, validated here (SelectionError when malformed); None or blank:
@@ -41,9 +42,13 @@ class SeriesSelectorOperator(Operator):
                  all_matched: bool = False, sort_by_sop_instance_count: bool = False, sdk_selection: bool = False,
                  **kwargs):
         self.rules = load_rules(rules)
-        self.all_matched = all_matched
-        self.sort_by_sop_instance_count = sort_by_sop_instance_count
-        self.sdk_selection = sdk_selection
+        self.all_matched = flag_argument("SeriesSelectorOperator", "all_matched", all_matched)
+        self.sort_by_sop_instance_count = flag_argument("SeriesSelectorOperator", "sort_by_sop_instance_count",
+                                                        sort_by_sop_instance_count)
+        if sort_by_sop_instance_count and not all_matched:
+            raise ValueError("SeriesSelectorOperator: sort_by_sop_instance_count=True orders the matches of "
+                             "all_matched=True; pass both")
+        self.sdk_selection = flag_argument("SeriesSelectorOperator", "sdk_selection", sdk_selection)
         super().__init__(fragment, *args, **kwargs)
 
     def setup(self, spec: OperatorSpec):

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import highdicom as hd
 import numpy as np
-from monai.deploy.core import ConditionType, Operator, OperatorSpec
+from monai.deploy.core import ConditionType, OperatorSpec
 from monai.deploy.core.domain.image import Image
 
 from medserve.dicom.index import Series
 from medserve.dicom.select import first_selected
 from medserve.dicom.volume import load_series, ras_affine
-from operators.failures import reports_failures
+from operators.failures import RunEndingOperator, reports_failures
 from operators.sdk_domain import stock_image_metadata
 
 
-class SeriesToVolumeOperator(Operator):
+class SeriesToVolumeOperator(RunEndingOperator):
     """Read the first selected series' pixels into a float32 volume (modality units, slices along the normal).
 
     Named input:

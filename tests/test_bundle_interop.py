@@ -29,7 +29,9 @@ from operators.bundle_inference import BundleInferenceOperator
 from operators.dicom_loader import DicomLoaderOperator
 from operators.failures import run_record, watch_failures
 from operators.nifti_writer import NiftiWriterOperator
+from operators.result_summary import ResultSummaryOperator
 from operators.seg_writer import SegWriterOperator
+from operators.series_selector import SeriesSelectorOperator
 from tests.conftest import REPO, dciodvfy_errors
 from tests.test_volume import ORIENTATIONS
 
@@ -300,6 +302,43 @@ def test_our_writers_write_into_the_folder_a_run_sends_them(tmp_path, threshold_
                               tmp_path / "default" / "seg.dcm", tmp_path / "default" / "labels.nii.gz"]
 
 
+def test_the_summary_takes_the_label_map_as_the_writers_do(capsys):
+    """A stock inference operator's `Image` reaches the summary as it reaches our writers."""
+    label_map = np.zeros((2, 3, 4), np.uint16)
+    label_map[0, :2] = 1
+    fragment = Fragment()
+    record = watch_failures(fragment)
+    summary = ResultSummaryOperator(fragment, labels={1: "spleen"}, started=0.0, nifti=False, name="summary")
+    summary.compute(Receiver(label_map=Image(label_map.astype(np.float32)), seg_path=Path("seg.dcm")), Emitter(),
+                    None)
+    assert record.failure is None
+    wrote, found = capsys.readouterr().out.splitlines()
+    assert wrote == "wrote seg.dcm"
+    assert found.startswith("1 segment(s) found (spleen: 8 voxels) in ")
+
+
+@pytest.mark.parametrize("operator,arguments,error,message", [
+    (BundleInferenceOperator, {"predictor": "bundles/demo_organ_seg"}, TypeError,
+     "BundleInferenceOperator: predictor= expects a BundlePredictor; got builtins.str; for a bundle folder, pass "
+     "BundlePredictor.from_dir(FOLDER)"),
+    (SegWriterOperator, {"predictor": None, "output_folder": "out"}, TypeError,
+     "SegWriterOperator: predictor= expects a BundlePredictor; got builtins.NoneType"),
+    (NiftiWriterOperator, {"output_folder": ""}, ValueError,
+     "NiftiWriterOperator: output_folder= is empty; expected a folder path"),
+    (NiftiWriterOperator, {"output_folder": 3}, TypeError,
+     "NiftiWriterOperator: output_folder= expects a folder path (str or Path); got builtins.int"),
+    (SeriesSelectorOperator, {"all_matched": "no"}, TypeError,
+     "SeriesSelectorOperator: all_matched= expects True or False; got 'no'"),
+    (SeriesSelectorOperator, {"sort_by_sop_instance_count": True}, ValueError,
+     "SeriesSelectorOperator: sort_by_sop_instance_count=True orders the matches of all_matched=True; pass both"),
+])
+def test_operators_refuse_wrong_arguments_when_constructed(operator, arguments, error, message):
+    """Rather than fail after inference as an internal error, write into the current folder, or ignore them."""
+    with pytest.raises(error) as raised:
+        operator(Fragment(), name="op", **arguments)
+    assert str(raised.value) == message
+
+
 def test_our_nifti_writer_takes_the_stock_image_as_its_volume(tmp_path, threshold_bundle):
     folder = write_series(tmp_path / "series", "oblique", NON_SQUARE, shape=(8, 24, 28))
     label_map, image, _ = stock_label_map(folder, BundlePredictor.from_dir(threshold_bundle, device="cpu"))
@@ -419,7 +458,7 @@ from operators import (BundleInferenceOperator, DicomLoaderOperator, SegWriterOp
                        SeriesToVolumeOperator)
 from operators.failures import watch_failures
 
-watched, output_folder, bundle, *folders = sys.argv[1] == "watched", *(Path(a) for a in sys.argv[2:])
+mode, output_folder, bundle, *folders = sys.argv[1], *(Path(a) for a in sys.argv[2:])
 current = {}
 
 
@@ -445,34 +484,40 @@ class OurPipeline(Application):
 
 
 app = OurPipeline([sys.executable, __file__, "--log-level", "WARN"])
+record = watch_failures(app) if mode == "watched_once" else None
 for folder in folders:
     current["folder"] = folder
     (output_folder / "seg.dcm").unlink(missing_ok=True)
-    record = watch_failures(app) if watched else None
+    if mode == "watched_each_run":
+        record = watch_failures(app)
     app.run()
     outcome = record.failure.message() if record and record.failure else "ok"
-    print(f"{folder.name}: {outcome}; seg.dcm written: {(output_folder / 'seg.dcm').exists()}", flush=True)
+    outputs = [path.name for path in record.outputs] if record else None
+    print(f"{folder.name}: {outcome}; seg.dcm written: {(output_folder / 'seg.dcm').exists()}; recorded: {outputs}",
+          flush=True)
 """
 
 
-@pytest.mark.parametrize("watched", [False, True])
-def test_failures_in_a_users_graph_are_raised_unless_the_app_watches_its_runs(tmp_path, threshold_bundle, watched):
+@pytest.mark.parametrize("mode", ["raised", "watched_each_run", "watched_once"])
+def test_failures_in_a_users_graph_are_raised_unless_the_app_watches_its_runs(tmp_path, threshold_bundle, mode):
     """A user's own graph of our operators fails as one of stock operators does (the error raised out of
     `Application.run()`, a non-zero exit); an app that watches its runs gets the failure recorded instead, and
-    the next run of the same Application starts afresh."""
+    the next run of the same Application starts afresh, also when it was watched once before the first run
+    (the record then describes the latest run: the first run's failure neither silences the second nor stays)."""
     good = write_series(tmp_path / "good", "axial", SQUARE, shape=(4, 16, 16))
     script = tmp_path / "rerun_app.py"
     script.write_text(RERUN_APP)
     out = tmp_path / "out"
     out.mkdir()
-    command = (f"ulimit -s 32768; exec {sys.executable} {script} {'watched' if watched else 'raised'} '{out}' "
+    command = (f"ulimit -s 32768; exec {sys.executable} {script} {mode} '{out}' "
                f"'{threshold_bundle}' '{tmp_path / 'missing'}' '{good}'")
     run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    if watched:
+    if mode != "raised":
         assert run.returncode == 0, run.stdout + run.stderr
         assert run.stdout.splitlines() == [f"missing: input folder {tmp_path / 'missing'} does not exist; seg.dcm "
-                                           "written: False", "good: ok; seg.dcm written: True"]
+                                           "written: False; recorded: []",
+                                           "good: ok; seg.dcm written: True; recorded: ['seg.dcm']"]
     else:
         assert run.returncode != 0, run.stdout + run.stderr
         assert f"input folder {tmp_path / 'missing'} does not exist" in run.stdout + run.stderr
