@@ -1,6 +1,6 @@
 """Ctrl-C and SIGTERM end a program with its clean-up done and the conventional exit status 128 + N.
 
-Two mechanisms: a Holoscan application's (below), and `termination_as_interrupt` for the CLI's container
+Two mechanisms: a Holoscan application's (below), and `termination_as_interrupt` for the CLI's other
 commands, which run no graph and can let SIGTERM/SIGHUP raise where the code is, as Ctrl-C does.
 
 Left to Holoscan, SIGINT reaches its executor's own handler: it asks the graph to stop, waits 3 seconds for the
@@ -18,12 +18,14 @@ the child (`subprocess`'s `preexec_fn`), or Ctrl-C and SIGTERM will not reach it
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
@@ -66,9 +68,10 @@ _TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 @contextmanager
 def termination_as_interrupt() -> Iterator[None]:
-    """For the CLI's container commands (package, push, run, inspect), which run no Holoscan graph: SIGTERM and
-    SIGHUP raise Terminated where the code is, so the clean-up that Ctrl-C runs (temporary folders, containers)
-    runs for them too, instead of the process dying with its containers and build context left behind."""
+    """For the CLI's commands that run no Holoscan graph (package, push, run, inspect; the server's client):
+    SIGTERM and SIGHUP raise Terminated where the code is, so the clean-up that Ctrl-C runs (temporary folders,
+    containers, partial downloads) runs for them too, instead of the process dying with its containers, build
+    context or half-written files left behind."""
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         yield
         return
@@ -84,3 +87,15 @@ def termination_as_interrupt() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def terminable(command: Callable[[Any], int]) -> Callable[[Any], int]:
+    """A CLI command that SIGTERM/SIGHUP end as Ctrl-C does, with its clean-up (partial files, folders it made,
+    containers)."""
+
+    @functools.wraps(command)
+    def run_terminable(args: Any) -> int:
+        with termination_as_interrupt():
+            return command(args)
+
+    return run_terminable

@@ -12,7 +12,7 @@ from pathlib import Path
 from medserve.packaging import layout
 from medserve.packaging.containerfile import TORCH_CPU_INDEX
 from medserve.packaging.manifest import PLATFORMS
-from medserve.stopping import termination_as_interrupt
+from medserve.stopping import terminable
 
 logger = logging.getLogger("medserve.packaging.commands")
 
@@ -76,17 +76,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-def _terminable(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """SIGTERM/SIGHUP end the command as Ctrl-C does, with its clean-up (`run` sets this up itself, around the
-    container it starts)."""
-
-    def terminable(args: argparse.Namespace) -> int:
-        with termination_as_interrupt():
-            return command(args)
-
-    return terminable
-
-
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("package", help="build a MONAI Application Package (MAP) image",
                               description="Build a MAP with buildah (no Docker engine needed) or docker.")
@@ -113,7 +102,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--uid", type=int, default=1000, help="UID of the image's holoscan user")
     p.add_argument("--gid", type=int, default=1000, help="GID of the image's holoscan user")
     p.add_argument("--push", metavar="REGISTRY/REPO:TAG", help="push the built image there")
-    p.set_defaults(handler=_terminable(_package))
+    p.set_defaults(handler=terminable(_package))
 
     p = subparsers.add_parser("push", help="push a MAP image to an OCI registry",
                               description="Credentials: MEDSERVE_REGISTRY_USER/_PASSWORD, or GHCR_USER/GHCR_TOKEN "
@@ -121,7 +110,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("image")
     p.add_argument("destination", metavar="REGISTRY/REPO:TAG")
     p.add_argument("--engine", choices=["auto", "buildah", "docker"], default="auto")
-    p.set_defaults(handler=_terminable(_push))
+    p.set_defaults(handler=terminable(_push))
 
     p = subparsers.add_parser("run", help="run a MAP on an input folder, as `monai-deploy run` does",
                               usage="%(prog)s [-h] [-i INPUT] [-o OUTPUT] [--gpus GPUS] [--config CONFIG] "
@@ -143,4 +132,4 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("inspect", help="print a MAP's manifests and labels as JSON")
     p.add_argument("image")
     p.add_argument("--engine", choices=["auto", "podman", "docker"], default="auto")
-    p.set_defaults(handler=_terminable(_inspect))
+    p.set_defaults(handler=terminable(_inspect))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import json
 import logging
 import os
+import tempfile
 import time
 import zipfile
 from collections.abc import Callable
@@ -20,6 +24,8 @@ log = logging.getLogger("medserve.server.client")
 
 CHUNK = 8 * 1024 * 1024
 FINAL = ("succeeded", "failed", "cancelled")
+PARTIAL = ".partial"
+ABANDONED_SECONDS = 24 * 3600
 
 
 class ClientError(MedserveError):
@@ -65,16 +71,20 @@ def study_zip(study_dir: Path) -> Path:
     if others:
         log.warning("%s: leaving out %d files that are not DICOM: %s", study_dir, len(others),
                     ", ".join(others[:5]) + (", ..." if len(others) > 5 else ""))
-    key = hashlib.sha256()
-    for path in files:
-        st = path.stat()
-        key.update(f"{path.relative_to(study_dir).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    target = cache_dir() / "zips" / f"{key.hexdigest()[:32]}.zip"
+    target = cache_dir() / "zips" / f"{_files_key(study_dir, files)}.zip"
     if target.exists():
         return target
-    partial = target.with_suffix(".partial")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(target.parent)
+        # A name of its own: two runs of one study zip side by side, and either's finished zip is the same bytes.
+        handle, name = tempfile.mkstemp(dir=target.parent, prefix=f"{target.stem}.", suffix=PARTIAL)
+        os.close(handle)
+    except OSError as error:
+        raise ClientError(f"{target.parent}: cannot zip the study into the cache ({error.strerror or error}); "
+                          "MEDSERVE_CACHE names another cache folder") from error
+    partial = Path(name)
+    try:
         with zipfile.ZipFile(partial, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
             for path in files:
                 info = zipfile.ZipInfo(path.relative_to(study_dir).as_posix(), date_time=(1980, 1, 1, 0, 0, 0))
@@ -88,6 +98,27 @@ def study_zip(study_dir: Path) -> Path:
     finally:
         partial.unlink(missing_ok=True)
     return target
+
+
+def _files_key(study_dir: Path, files: list[Path]) -> str:
+    """The cached zip's name: the study folder and, per file, its name, size, mtime, inode and ctime. Names,
+    sizes and mtimes alone are not the content: studies unpacked from archives with fixed timestamps, copies
+    made with `cp -p`, or an edit that keeps the mtime would find another study's zip. A file's ctime changes
+    with any write and cannot be set back, and the folder and inodes tell copies apart."""
+    key = hashlib.sha256(f"{study_dir.resolve()}\n".encode())
+    for path in files:
+        st = path.stat()
+        key.update(f"{path.relative_to(study_dir).as_posix()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0"
+                   f"{st.st_ctime_ns}\n".encode())
+    return key.hexdigest()[:32]
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Zips a killed run left half-written (a day old: another run may be writing a recent one)."""
+    for partial in folder.glob(f"*{PARTIAL}"):
+        with contextlib.suppress(OSError):
+            if time.time() - partial.stat().st_mtime > ABANDONED_SECONDS:
+                partial.unlink()
 
 
 def _sha256(path: Path) -> str:
@@ -110,6 +141,77 @@ class UploadKey:
         return self.key
 
 
+def _server_message(body: bytes | None) -> str:
+    """An error answer's message: medserve's JSON `message` (or `error`), else one short line of the body (a
+    proxy's HTML page, say)."""
+    text = (body or b"").decode("utf-8", "replace")
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and (answer.get("message") or answer.get("error")):
+        return str(answer.get("message") or answer.get("error"))
+    return " ".join(text.split())[:200] or "(empty body)"
+
+
+class UploadUrls:
+    """tuspy's url storage: where each study's upload is, kept in the cache as one JSON object {key: url}.
+    tuspy's own FileStorage (TinyDB) neither locks nor replaces its file atomically: parallel runs interleaved
+    their writes, and every later run then failed reading it. Here each access holds an exclusive lock on a file
+    beside it, a write replaces the file whole, and a file that cannot be read is started afresh (with a
+    warning): the cost is one upload that starts from the beginning."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+
+    @contextlib.contextmanager
+    def _locked(self) -> Any:
+        with open(self.lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _read(self) -> dict[str, str]:
+        try:
+            urls = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            log.warning("%s cannot be read (%s); earlier uploads will start again", self.path, error)
+            return {}
+        if not isinstance(urls, dict) or not all(isinstance(v, str) for v in urls.values()):
+            log.warning("%s is not a JSON object of upload URLs; earlier uploads will start again", self.path)
+            return {}
+        return urls
+
+    def _write(self, urls: dict[str, str]) -> None:
+        handle, name = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".", suffix=PARTIAL)
+        try:
+            with os.fdopen(handle, "w") as out:
+                json.dump(urls, out, indent=1)
+            os.replace(name, self.path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
+    def get_item(self, key: str) -> str | None:
+        with self._locked():
+            return self._read().get(key)
+
+    def set_item(self, key: str, value: str | None) -> None:
+        if value is None:  # tuspy stores what it looked up, also when there was nothing
+            self.remove_item(key)
+            return
+        with self._locked():
+            self._write({**self._read(), key: value})
+
+    def remove_item(self, key: str) -> None:
+        with self._locked():
+            urls = self._read()
+            if urls.pop(key, None) is not None:
+                self._write(urls)
+
+
 class Client:
     def __init__(self, url: str, token: str | None = None, timeout: float = 600.0) -> None:
         self.url = url.rstrip("/")
@@ -126,15 +228,8 @@ class Client:
 
     def _check(self, response: httpx.Response) -> httpx.Response:
         if response.status_code >= 400:
-            try:
-                body = response.json()
-            except ValueError:
-                body = None
-            if isinstance(body, dict) and (body.get("message") or body.get("error")):
-                message = str(body.get("message") or body.get("error"))
-            else:  # not medserve's error shape: a proxy's HTML page, say; one short line of it
-                message = " ".join(response.text.split())[:200] or "(empty body)"
-            raise ClientError(f"server answered {response.status_code}: {message}", response.status_code)
+            raise ClientError(f"server answered {response.status_code}: {_server_message(response.content)}",
+                              response.status_code)
         return response
 
     def _unreachable(self, error: Exception) -> ClientError:
@@ -165,9 +260,8 @@ class Client:
         upload id. An upload the server no longer has (expired or deleted) is forgotten and started again."""
         from tusclient import client as tus
         from tusclient.exceptions import TusCommunicationError, TusUploadFailed
-        from tusclient.storage.filestorage import FileStorage
 
-        storage = FileStorage(str(cache_dir() / "tus-urls.json"))
+        storage = UploadUrls(cache_dir() / "tus-uploads.json")
         tus_client = tus.TusClient(f"{self.url}/v1/uploads", headers=dict(self.headers))
         fingerprint = UploadKey(self.url, path)
         for attempt in range(2):
@@ -188,12 +282,17 @@ class Client:
                 if attempt == 0 and error.status_code in (404, 410):
                     storage.remove_item(fingerprint.key)
                     continue
-                raise ClientError(f"upload failed: {error}: {error.response_content!r}") from error
+                raise ClientError(f"upload failed: server answered {error.status_code}: "
+                                  f"{_server_message(error.response_content)}", error.status_code) from error
         raise ClientError("upload failed twice")
 
     def check_model(self, name: str) -> None:
         """A ClientError when the server has no model `name` (or refuses the name). A token without the admin
         scope may not look models up: the job request then finds out."""
+        from medserve.server.store import NAME_RULE, is_model_name
+
+        if not is_model_name(name):  # '..' would not even reach the server: the URL's path would lose it
+            raise ClientError(f"invalid model name {name[:100]!r}: {NAME_RULE}")
         try:
             self.get(f"/v1/models/{quote(name, safe='')}")
         except ClientError as error:

@@ -15,6 +15,7 @@ from urllib.parse import quote
 
 from medserve.net import is_loopback
 from medserve.server.config import ServerConfig
+from medserve.stopping import terminable
 
 log = logging.getLogger("medserve.server.commands")
 
@@ -107,27 +108,27 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     infer.add_argument("--writeback", action="store_true", help="STOW-RS the SEG back to the DICOM store")
     infer.add_argument("--format", choices=("seg", "nifti"), default=None, help="result to download")
     _client_args(infer)
-    infer.set_defaults(handler=infer_command)
+    infer.set_defaults(handler=terminable(infer_command))
 
     models = subparsers.add_parser("models", help="list the server's models")
     _client_args(models)
-    models.set_defaults(handler=models_command)
+    models.set_defaults(handler=terminable(models_command))
 
     jobs = subparsers.add_parser("jobs", help="list recent jobs")
     jobs.add_argument("--state", choices=("queued", "running", "succeeded", "failed", "cancelled"))
     jobs.add_argument("--limit", type=int, default=50)
     _client_args(jobs)
-    jobs.set_defaults(handler=jobs_command)
+    jobs.set_defaults(handler=terminable(jobs_command))
 
     job = subparsers.add_parser("job", help="show one job")
     job.add_argument("job_id")
     job.add_argument("--cancel", action="store_true", help="cancel it")
     _client_args(job)
-    job.set_defaults(handler=job_command)
+    job.set_defaults(handler=terminable(job_command))
 
 
 def _client_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default=os.environ.get("MEDSERVE_URL", DEFAULT_URL),
+    parser.add_argument("--url", default=os.environ.get("MEDSERVE_URL") or DEFAULT_URL,
                         help=f"server URL (default $MEDSERVE_URL or {DEFAULT_URL})")
     parser.add_argument("--token", default=os.environ.get("MEDSERVE_TOKEN"), help="bearer token ($MEDSERVE_TOKEN)")
 
@@ -250,37 +251,58 @@ def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) ->
         if args.writeback:
             body["writeback"] = True
         key = None  # a second run on a store reference is a new request (the study may have changed)
-    job = _submit(client, args.name, body, key)
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                  console=console) as bar:
-        task = bar.add_task(f"job {job['id'][:8]}", total=1.0)
-
-        def show(update: dict[str, Any]) -> None:
-            bar.update(task, completed=update["progress"],
-                       description=f"job {update['id'][:8]} {update['state']}: {update.get('stage') or ''}")
-
-        job = client.wait(job["id"], show)
-    if job["state"] != "succeeded":
-        raise ClientError(f"job {job['id']} {job['state']}: {job.get('error')}")
-    fmt = args.format or ("seg" if "seg" in job["outputs"] else "nifti")
-    target = target.with_name("seg.dcm" if fmt == "seg" else "labels.nii.gz")
-    client.download(job["id"], target, fmt)
+    retired: set[str] = set()
+    while True:
+        job = _submit(client, args.name, body, key, retired)
+        job = _wait(client, job, console)
+        if job["state"] != "succeeded":
+            raise ClientError(f"job {job['id']} {job['state']}: {job.get('error')}")
+        fmt = args.format or ("seg" if "seg" in job["outputs"] else "nifti")
+        target = target.with_name("seg.dcm" if fmt == "seg" else "labels.nii.gz")
+        try:
+            client.download(job["id"], target, fmt)
+            break
+        except ClientError as error:
+            # A replayed job whose result the server no longer has (removed from its data dir): run it again,
+            # once, rather than answer every re-run with 410.
+            if error.status != 410 or key is None or retired:
+                raise
+            console.print(f"job {job['id']}'s result is gone from the server; running the study again")
+            retired.add(job["id"])
     console.print(f"[green]done[/green] job {job['id']} -> {target}")
     if job.get("segments"):
         console.print("segments: " + ", ".join(f"{k}={v}" for k, v in job["segments"].items()))
+    if args.study_dir is not None:  # the result is here: the cached zip is no longer needed to resume anything
+        archive.unlink(missing_ok=True)
     print(target)
     return 0
 
 
-def _submit(client: Any, model: str, body: dict[str, Any], key: str | None) -> dict[str, Any]:
+def _wait(client: Any, job: dict[str, Any], console: Any) -> dict[str, Any]:
+    """The job once it has ended, its progress shown meanwhile (the whole id: it is what `medserve job` takes)."""
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                  console=console) as bar:
+        task = bar.add_task(f"job {job['id']}", total=1.0)
+
+        def show(update: dict[str, Any]) -> None:
+            bar.update(task, completed=update["progress"],
+                       description=f"job {update['id']} {update['state']}: {update.get('stage') or ''}")
+
+        return client.wait(job["id"], show)
+
+
+def _submit(client: Any, model: str, body: dict[str, Any], key: str | None, retired: set[str]) -> dict[str, Any]:
     """Submit a job. With a `key` (an uploaded study), a re-run after a crash or ctrl-C finds the same job through
     its Idempotency-Key instead of running it again; but a job that ended failed or cancelled is not what a
-    re-run wants (the bundle may have been fixed since), so the next key of the sequence starts a new one."""
+    re-run wants (the bundle may have been fixed since), nor one in `retired`, so the next key of the sequence
+    starts a new one."""
     attempt = 0
     while True:
         idempotency = hashlib.sha256(f"{key}\0{attempt}".encode()).hexdigest() if key is not None else None
         job = client.submit(model, body, idempotency)
-        if key is None or job["state"] not in ("failed", "cancelled"):
+        if key is None or (job["state"] not in ("failed", "cancelled") and job["id"] not in retired):
             return job
         attempt += 1
 
@@ -289,8 +311,16 @@ def _mb(value: int | None) -> str:
     return f"{value / 1024**2:.1f}" if value else "-"
 
 
-def models_command(args: argparse.Namespace) -> int:
+def _table_console() -> Any:
+    """A console for the listing commands' tables. Into a pipe or file, rich would cut the table to 80 columns,
+    values shortened to 'suc…' that `grep succeeded` then misses: there it gets the width the rows need."""
     from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=10_000)
+
+
+def models_command(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from medserve.server.client import Client
@@ -302,12 +332,11 @@ def models_command(args: argparse.Namespace) -> int:
     for m in models:
         table.add_row(m["name"], m["version"] or "-", m["state"], "yes" if m["loaded"] else "no",
                       m["device"] or "-", _mb(m["memory_bytes"]), m["error"] or m["description"] or "")
-    Console().print(table)
+    _table_console().print(table)
     return 0
 
 
 def jobs_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from medserve.server.client import Client
@@ -322,12 +351,11 @@ def jobs_command(args: argparse.Namespace) -> int:
         total = j["timings"].get("total_s")
         table.add_row(j["id"], j["model"], j["state"], f"{j['progress'] * 100:.0f}%", j["created"] or "",
                       f"{total:.2f}" if total else "-", (j["error"] or "")[:60])
-    Console().print(table)
+    _table_console().print(table)
     return 0
 
 
 def job_command(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from medserve.server.client import Client, ClientError
@@ -341,10 +369,10 @@ def job_command(args: argparse.Namespace) -> int:
     table.add_column("field")
     table.add_column("value")
     for key in ("model", "state", "stage", "progress", "input", "created", "started", "finished", "attempts",
-                "outputs", "segments", "error", "result_url"):
+                "outputs", "segments", "segmented", "error", "result_url", "writeback", "writeback_result"):
         value = job.get(key)
         table.add_row(key, "-" if value in (None, [], {}) else str(value))
     for key, value in job["timings"].items():
         table.add_row(f"timing {key}", f"{value:.3f} s")
-    Console().print(table)
+    _table_console().print(table)
     return 0

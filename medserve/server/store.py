@@ -50,6 +50,7 @@ from medserve.server.maps import MapModel
 log = logging.getLogger("medserve.server.store")
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RULE = "use letters, digits, '.', '_' or '-' (at most 128), no path separators"
 
 Fingerprint = tuple[tuple[str, int, int], ...]
 
@@ -62,8 +63,7 @@ def is_model_name(name: str) -> bool:
 def check_model_name(name: Any) -> str:
     if not isinstance(name, str) or not is_model_name(name):
         raise ApiError(400, "bad_model_name",
-                       f"invalid model name {shown(name)}: use letters, digits, '.', '_' or '-' (at most 128), no "
-                       "path separators")
+                       f"invalid model name {shown(name)}: {NAME_RULE}")
     return name
 
 

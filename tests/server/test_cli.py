@@ -11,9 +11,8 @@ from pathlib import Path
 import pydicom
 import pytest
 from tusclient import client as tus
-from tusclient.storage.filestorage import FileStorage
 
-from medserve.server.client import UploadKey, study_zip
+from medserve.server.client import UploadKey, UploadUrls, study_zip
 from tests.conftest import run_unprivileged
 from tests.server.conftest import REPO, add_bundle
 
@@ -34,13 +33,13 @@ def test_infer_resumes_upload_and_tables(make_server, demo_study: Path, tmp_path
         archive = study_zip(demo_study)
     finally:
         del os.environ["MEDSERVE_CACHE"]
-    storage = FileStorage(str(Path(env["MEDSERVE_CACHE"]) / "tus-urls.json"))
+    storage = UploadUrls(Path(env["MEDSERVE_CACHE"]) / "tus-uploads.json")
     partial = tus.TusClient(server.url + "/v1/uploads").uploader(
         str(archive), chunk_size=100_000, store_url=True, url_storage=storage, metadata={"filename": archive.name},
         fingerprinter=UploadKey(server.url, archive))
     partial.upload(stop_at=300_000)
     partial_id = partial.url.rsplit("/", 1)[-1]
-    storage._db.close()
+    sent = archive.read_bytes()
 
     out = tmp_path / "out"
     proc = _cli("infer", "demo", str(demo_study), "-o", str(out), "--url", server.url, env=env)
@@ -50,7 +49,8 @@ def test_infer_resumes_upload_and_tables(make_server, demo_study: Path, tmp_path
     # The upload that finished is the one started before: resumed, not re-sent from zero.
     uploads = sorted(p.stem for p in server.config.uploads_dir.glob("*.bin"))
     assert uploads == [partial_id], uploads
-    assert (server.config.uploads_dir / f"{partial_id}.bin").read_bytes() == archive.read_bytes()
+    assert (server.config.uploads_dir / f"{partial_id}.bin").read_bytes() == sent
+    assert not archive.exists()  # with the result downloaded, the cached zip is not kept
 
     models = _cli("models", "--url", server.url, env=env)
     assert models.returncode == 0 and "demo" in models.stdout and "loaded" in models.stdout
@@ -59,6 +59,11 @@ def test_infer_resumes_upload_and_tables(make_server, demo_study: Path, tmp_path
     listed = __import__("httpx").get(server.url + "/v1/jobs").json()["jobs"]
     job = _cli("job", listed[0]["id"], "--url", server.url, env=env)
     assert job.returncode == 0 and listed[0]["id"] in job.stdout and "total_s" in job.stdout
+    assert listed[0]["segmented"]["series_uid"] in job.stdout
+    # Into a pipe, without COLUMNS, the tables keep their values whole (rich cut them to 'suc…' at 80 columns).
+    piped = {key: value for key, value in env.items() if key != "COLUMNS"}
+    jobs = _cli("jobs", "--url", server.url, env=piped)
+    assert jobs.returncode == 0 and listed[0]["id"] in jobs.stdout and "succeeded" in jobs.stdout, jobs.stdout
     missing = _cli("infer", "nope", str(demo_study), "-o", str(out), "--url", server.url, env=env)
     assert missing.returncode == 2 and "nope" in missing.stderr
 
@@ -350,3 +355,137 @@ def test_a_server_that_is_not_medserve_is_one_short_error_line(status: int, body
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and len(lines[0]) < 300, proc.stderr[-1000:]
     assert expected in lines[0], lines
+
+
+def test_infer_runs_a_study_again_when_its_replayed_job_lost_its_result(thr_server, tmp_path: Path) -> None:
+    """A re-run found the job it had started (Idempotency-Key) but the server no longer had its result (410):
+    every re-run then failed the same way. Now the study runs again, once."""
+    import shutil
+
+    import httpx
+
+    from tests.server.conftest import small_study
+
+    env = {**os.environ, "MEDSERVE_CACHE": str(tmp_path / "cache")}
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    first = _cli("infer", "thr", str(study), "-o", str(tmp_path / "out1"), "--url", thr_server.url, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    [job] = httpx.get(thr_server.url + "/v1/jobs").json()["jobs"]
+    shutil.rmtree(thr_server.config.jobs_dir / job["id"])
+    again = _cli("infer", "thr", str(study), "-o", str(tmp_path / "out2"), "--url", thr_server.url, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (f"job {job['id']}'s result is gone from the server; running the study again"
+            in " ".join(again.stderr.split()))
+    assert (tmp_path / "out2" / "seg.dcm").read_bytes()[128:132] == b"DICM"
+    assert len(httpx.get(thr_server.url + "/v1/jobs").json()["jobs"]) == 2
+
+
+def test_the_study_zip_cache_tells_apart_studies_with_equal_names_sizes_and_times(tmp_path: Path,
+                                                                                   monkeypatch) -> None:
+    """The cached zip was found by file names, sizes and mtimes alone: a copy made with `cp -p` (or unpacked
+    from an archive with fixed timestamps) whose pixels differ got the first study's zip, so its job segmented
+    the other study, exit 0. An edit in place that keeps the mtime likewise."""
+    import shutil
+    import zipfile
+
+    from tests.server.conftest import small_study
+
+    monkeypatch.setenv("MEDSERVE_CACHE", str(tmp_path / "cache"))
+    first = small_study(tmp_path / "first", size=16, slices=4)
+    second = tmp_path / "second"
+    shutil.copytree(first, second)  # copy2: mtimes kept
+    edited = sorted(second.iterdir())[-1]
+    dataset = pydicom.dcmread(edited)
+    dataset.PixelData = bytes(len(dataset.PixelData))
+    dataset.save_as(edited)
+    for study in (first, second):
+        for path in study.iterdir():
+            os.utime(path, ns=(0, 315532800 * 10**9))  # 1980-01-01, as zips unpack
+    assert [p.stat().st_size for p in sorted(first.iterdir())] == [p.stat().st_size for p in sorted(second.iterdir())]
+
+    def zipped(study: Path) -> bytes:
+        with zipfile.ZipFile(study_zip(study)) as archive:
+            return archive.read(edited.name)
+
+    assert zipped(first) == (first / edited.name).read_bytes()
+    assert zipped(second) == edited.read_bytes() != (first / edited.name).read_bytes()
+    (first / edited.name).write_bytes(edited.read_bytes())  # same size; the mtime set back
+    os.utime(first / edited.name, ns=(0, 315532800 * 10**9))
+    assert zipped(first) == edited.read_bytes()
+    assert not list((tmp_path / "cache" / "zips").glob("*.partial"))
+
+
+def test_upload_urls_survive_parallel_runs_and_a_damaged_file(tmp_path: Path, caplog) -> None:
+    """tuspy's FileStorage (TinyDB) neither locks nor writes atomically: parallel `medserve infer` runs left
+    tus-urls.json damaged, and every later run was a JSONDecodeError traceback."""
+    script = ("import sys; from pathlib import Path; from medserve.server.client import UploadUrls\n"
+              "urls = UploadUrls(Path(sys.argv[1]))\n"
+              "for i in range(40):\n"
+              "    urls.set_item(f'{sys.argv[2]}-{i}', f'http://x/{i}')\n"
+              "    urls.remove_item(f'{sys.argv[2]}-{i - 1}') if i % 2 else None\n")
+    path = tmp_path / "tus-uploads.json"
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(path), f"w{n}"], cwd=REPO) for n in range(6)]
+    assert [writer.wait(timeout=120) for writer in writers] == [0] * 6
+    stored = __import__("json").loads(path.read_text())
+    assert len(stored) == 6 * 20 and stored["w3-39"] == "http://x/39"
+    path.write_text('{"a": "http://x/1"}   }')  # what the interleaved TinyDB writes left
+    urls = UploadUrls(path)
+    assert urls.get_item("a") is None
+    assert "cannot be read" in caplog.text and "earlier uploads will start again" in caplog.text
+    urls.set_item("b", "http://x/2")
+    assert UploadUrls(path).get_item("b") == "http://x/2"
+
+
+def test_infer_errors_of_the_upload_and_names_are_one_plain_line(make_server, tmp_path: Path) -> None:
+    """A refused upload was tuspy's text with a Python bytes repr ("... status 413: b'{"error":...}'"); a model
+    name '..' reached the server as GET /v1 (the URL lost it) and was answered 'Not Found'."""
+    from tests.server.conftest import small_study
+
+    server = make_server(max_upload_bytes=1_000)
+    add_bundle(server.config.store, "demo")
+    server.store.wait_until("demo", ("loaded",), 60)
+    env = {**os.environ, "MEDSERVE_CACHE": str(tmp_path / "cache")}
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    too_large = _cli("infer", "demo", str(study), "-o", str(tmp_path / "out"), "--url", server.url, env=env)
+    last = too_large.stderr.strip().splitlines()[-1]
+    assert too_large.returncode == 2 and last.startswith("error: upload failed: server answered 413: Upload-Length "), (
+        too_large.stderr[-2000:])
+    assert "b'" not in last
+    dots = _cli("infer", "..", str(study), "--url", server.url, env=env)
+    assert dots.returncode == 2 and dots.stderr.strip().splitlines()[-1] == (
+        "error: invalid model name '..': use letters, digits, '.', '_' or '-' (at most 128), no path separators")
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_client_commands_end_on_sigterm_as_on_ctrl_c(tmp_path: Path, signal_name: str) -> None:
+    """SIGTERM/SIGHUP (a closed terminal, a dropped SSH session) killed `medserve infer` outright: the output
+    folder it made, a partial download or zip stayed. Now they end it as Ctrl-C does: one error line, exit
+    128 + N, its clean-up done (here: the output folder made for a request the server never answers)."""
+    import signal
+    import threading
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    out = tmp_path / "made" / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "medserve.cli", "infer", "demo", "--study", "1.2.3", "-o",
+                             str(out), "--url", f"http://127.0.0.1:{listener.getsockname()[1]}"], cwd=REPO,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "MEDSERVE_CACHE": str(tmp_path)})
+    try:
+        deadline = time.monotonic() + 60
+        while not accepted and time.monotonic() < deadline:  # the model lookup is waiting for its answer
+            time.sleep(0.1)
+        assert accepted and out.is_dir()
+        proc.send_signal(getattr(signal, signal_name))
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        listener.close()
+        for connection in accepted:
+            connection.close()
+    assert proc.returncode == 128 + getattr(signal, signal_name), stderr
+    assert stderr.strip().splitlines()[-1] == f"error: interrupted by {signal_name}", stderr
+    assert not (tmp_path / "made").exists()
