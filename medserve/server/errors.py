@@ -55,8 +55,11 @@ def shown(value: object, limit: int = 100) -> str:
 
 
 def header_int(text: str | None) -> int | None:
-    """A non-negative integer header value, or None. Only ASCII digits: str.isdigit() also accepts '²'."""
-    return int(text) if text is not None and text.isascii() and text.isdigit() else None
+    """A non-negative integer header value, or None. Only ASCII digits: str.isdigit() also accepts '²'; and at
+    most 19 of them (any byte count fits), since int() refuses over 4,300 digits with a ValueError."""
+    if text is None or not text.isascii() or not text.isdigit() or len(text.lstrip("0")) > 19:
+        return None
+    return int(text)
 
 
 def client_message(error: MedserveError | str, *folders: Path) -> str:

@@ -34,6 +34,7 @@ DTYPES: dict[str, np.dtype] = {
 }
 OUTPUT_NAME = "OUTPUT"
 INPUT_NAME = "INPUT"
+JSON_MAX_BYTES = 64 * 1024**2
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol v2"])
 
@@ -66,11 +67,14 @@ async def ready(request: Request) -> JSONResponse:
 
 
 def _versioned_entry(request: Request, name: str, version: str | None) -> Any:
-    """The model's store entry; 404 when a version is asked for that is not the bundle's (metadata.json)."""
+    """The model's store entry; 404 when a version is asked for that is not the bundle's (metadata.json), 400
+    for a MAP: it runs whole studies in a container and has no tensor entry point (nor tensor metadata)."""
     entry = request.app.state.store.entry(name)
     if version is not None and version != entry.version:
         have = f"version {entry.version}" if entry.version else "no version"
         raise ApiError(404, "unknown_version", f"model {name!r} has {have}, not {version!r}")
+    if entry.is_map:
+        raise ApiError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
     return entry
 
 
@@ -94,16 +98,21 @@ async def model_ready(request: Request, name: str, version: str | None = None) -
     return JSONResponse({"name": name, "ready": ok}, 200 if ok else 400)
 
 
-def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], bytes]:
+def _parse_request(headers: Any, body: bytes) -> tuple[dict[str, Any], memoryview]:
     header_length = headers.get("inference-header-content-length")
     if header_length is not None:
         split = header_int(header_length)
         if split is None or split > len(body):
             raise ApiError(400, "bad_request", "Inference-Header-Content-Length must be a byte count within the body, "
                            f"not {header_length!r}")
-        head, binary = body[:split], body[split:]
+        head, binary = body[:split], memoryview(body)[split:]  # no copy of the tensor's bytes
     else:
-        head, binary = body, b""
+        head, binary = body, memoryview(b"")
+    if len(head) > JSON_MAX_BYTES:
+        # Parsed, JSON numbers take about ten times their text in memory: larger tensors go as binary data.
+        raise ApiError(413, "body_too_large", f"the request's JSON is {len(head)} bytes, over {JSON_MAX_BYTES}; send "
+                       "the tensor as binary data (binary tensor extension: parameters.binary_data_size and "
+                       "Inference-Header-Content-Length)")
     try:
         request = json.loads(head)
     except (ValueError, RecursionError) as error:  # RecursionError: nesting deeper than the parser goes
@@ -122,7 +131,9 @@ def _parameters(holder: dict[str, Any], where: str) -> dict[str, Any]:
     return parameters
 
 
-def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
+def _tensor(spec: dict[str, Any], binary: memoryview) -> np.ndarray:
+    if spec.get("name") != INPUT_NAME:
+        raise ApiError(400, "bad_request", f"unknown input {spec.get('name')!r}; the model's input is {INPUT_NAME!r}")
     datatype = spec.get("datatype")
     shape = spec.get("shape")
     if not isinstance(datatype, str) or datatype not in DTYPES:  # a list or object is not even hashable
@@ -132,19 +143,22 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
     dtype = DTYPES[datatype]
     size = _parameters(spec, "inputs[0]").get("binary_data_size")
     if size is not None:
-        if (not _is_count(size) or size != math.prod(shape) * dtype.itemsize
-                or len(binary) < size):
-            raise ApiError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype}")
-        array = np.frombuffer(binary[:size], dtype=dtype)
+        if spec.get("data") is not None:
+            raise ApiError(400, "bad_request", "inputs[0] has both 'data' and parameters.binary_data_size; send "
+                           "the values one way")
+        expected = math.prod(shape) * dtype.itemsize
+        if not _is_count(size) or size != expected:
+            raise ApiError(400, "bad_request", f"binary_data_size {size} does not match shape {shape} {datatype} "
+                           f"({expected} bytes)")
+        if len(binary) != size:
+            raise ApiError(400, "bad_request", f"the body holds {len(binary)} bytes of binary data after its "
+                           f"Inference-Header-Content-Length JSON header; binary_data_size says {size}")
+        array = np.frombuffer(binary, dtype=dtype)
     else:
         data = spec.get("data")
         if data is None:
             raise ApiError(400, "bad_request", "input has neither 'data' nor parameters.binary_data_size")
-        try:
-            array = np.asarray(data, dtype=dtype).reshape(-1)
-        except (TypeError, ValueError, OverflowError) as error:  # strings, ragged nesting, objects, out of range
-            raise ApiError(400, "bad_request", f"inputs[0].data must be a list of {datatype} numbers: {error}") \
-                from error
+        array = _json_values(data, datatype, dtype)
         if array.size != math.prod(shape):
             raise ApiError(400, "bad_request", f"{array.size} values given for shape {shape}")
     with np.errstate(over="ignore"):  # an overflow becomes inf, refused just below
@@ -153,6 +167,30 @@ def _tensor(spec: dict[str, Any], binary: bytes) -> np.ndarray:
         raise ApiError(400, "bad_request", f"inputs[0] holds NaN or infinite values (as FP32: {datatype} values "
                        "beyond 3.4e38 overflow); the model takes finite numbers")
     return tensor
+
+
+# The JSON values each datatype takes, as numpy infers their kind: numbers for floats, whole numbers for integer
+# types, true/false for BOOL. Casting alone would turn "1.5" into 1.5, 1.7 into 1 for INT32 and 5 into True.
+_JSON_KINDS = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}
+
+
+def _json_values(data: Any, datatype: str, dtype: np.dtype) -> np.ndarray:
+    """`data` (flat or nested row-major lists) as a flat array of `dtype`; 400 naming what does not fit."""
+    what = "values (true/false)" if dtype.kind == "b" else "numbers"
+    expected = f"inputs[0].data must be a list of {datatype} {what}"
+    try:
+        values = np.asarray(data).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as error:  # ragged nesting
+        raise ApiError(400, "bad_request", f"{expected}: {error}") from error
+    if values.size and values.dtype.kind not in _JSON_KINDS[dtype.kind]:
+        found = {"U": "text", "O": "objects or integers beyond 64 bits", "b": "true/false", "f": "fractional "
+                 "numbers"}.get(values.dtype.kind, str(values.dtype))
+        raise ApiError(400, "bad_request", f"{expected}; got {found}")
+    if values.size and dtype.kind in "iu":
+        limits = np.iinfo(dtype)
+        if values.min() < limits.min or values.max() > limits.max:
+            raise ApiError(400, "bad_request", f"{expected} within {limits.min}..{limits.max}")
+    return values.astype(dtype, copy=False)
 
 
 def _is_count(value: object) -> bool:
@@ -178,6 +216,8 @@ def _binary_output(req: dict[str, Any]) -> bool:
     names = [w.get("name") for w in wanted]
     if any(n != OUTPUT_NAME for n in names):
         raise ApiError(400, "bad_request", f"unknown output(s) {names}; the only output is {OUTPUT_NAME!r}")
+    if len(names) > 1:  # which entry's binary_data would count?
+        raise ApiError(400, "bad_request", f"'outputs' names {OUTPUT_NAME!r} {len(names)} times; name it once")
     return _flag(_parameters(wanted[0], "outputs[0]"), "binary_data", "outputs[0]", binary_default)
 
 
@@ -185,9 +225,7 @@ def _binary_output(req: dict[str, Any]) -> bool:
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    # A MAP runs whole studies in a container; it has no tensor entry point.
-    if _versioned_entry(request, name, version).is_map:
-        raise ApiError(400, "unsupported_model", f"model {name!r} is a MAP: POST a study to /v1/models/{name}/infer")
+    _versioned_entry(request, name, version)
     body = await limited(request, app_state.config.max_upload_bytes).body()
     req, binary = _parse_request(request.headers, body)
     array = _tensor(req["inputs"][0], binary)

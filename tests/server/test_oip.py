@@ -79,13 +79,41 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
             ({"inputs": [tensor], "parameters": {"binary_data_output": "false"}},
              "request.parameters.binary_data_output must be true or false, not 'false'"),
             ({"inputs": [tensor], "outputs": [{"name": "OUTPUT", "parameters": {"binary_data": 1}}]},
-             "outputs[0].parameters.binary_data must be true or false, not 1")):
+             "outputs[0].parameters.binary_data must be true or false, not 1"),
+            # Accepted before (200): values cast to the datatype whatever they were, other input names.
+            ({"inputs": [{**tensor, "name": "FOO"}]}, "unknown input 'FOO'; the model's input is 'INPUT'"),
+            ({"inputs": [{k: v for k, v in tensor.items() if k != "name"}]}, "unknown input None"),
+            ({"inputs": [{**tensor, "datatype": "INT32", "data": [1.7] * 8}]},
+             "inputs[0].data must be a list of INT32 numbers; got fractional numbers"),
+            ({"inputs": [{**tensor, "datatype": "BOOL", "data": [5] * 8}]},
+             "inputs[0].data must be a list of BOOL values (true/false); got int64"),
+            ({"inputs": [{**tensor, "data": ["1.5"] * 8}]}, "inputs[0].data must be a list of FP32 numbers; got text"),
+            ({"inputs": [{**tensor, "data": [True] * 8}]}, "got true/false"),
+            ({"inputs": [tensor], "outputs": [{"name": "OUTPUT"}, {"name": "OUTPUT", "parameters": {"binary_data":
+                                                                                                 True}}]},
+             "'outputs' names 'OUTPUT' 2 times; name it once"),
+            ({"inputs": [{**tensor, "parameters": {"binary_data_size": 32}}]},
+             "inputs[0] has both 'data' and parameters.binary_data_size")):
         r = httpx.post(url, content=json.dumps(request), headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and expected in r.json()["error"], (request, r.text)
     binary = {"inputs": [{**tensor, "data": None, "parameters": {"binary_data_size": 32.0}}]}
     head = json.dumps(binary).encode()
     r = httpx.post(url, content=head + bytes(32), headers={"Inference-Header-Content-Length": str(len(head))})
     assert r.status_code == 400 and "binary_data_size 32.0" in r.json()["error"], r.text
+    good = {"inputs": [{**tensor, "data": None, "parameters": {"binary_data_size": 32}}]}
+    head = json.dumps(good).encode()
+    for body, expected in ((head + bytes(16), "the body holds 16 bytes of binary data after its "
+                                              "Inference-Header-Content-Length JSON header; binary_data_size says 32"),
+                           (head + bytes(40), "the body holds 40 bytes")):  # the extra 8 were ignored: 200
+        r = httpx.post(url, content=body, headers={"Inference-Header-Content-Length": str(len(head))})
+        assert r.status_code == 400 and expected in r.json()["error"], r.text
+    for digits in ("9" * 5000, "9" * 20):  # int() refuses over 4,300 digits: that was a 500
+        r = httpx.post(url, content=head + bytes(32), headers={"Inference-Header-Content-Length": digits})
+        assert r.status_code == 400 and "Inference-Header-Content-Length must be a byte count" in r.json()["error"]
+    big = b'{"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [1, 1, 1, 1, 1], "data": [' + b"0," * (
+        33 * 1024**2) + b"0]}]}"  # parsed, about 10x its size in memory: refused unread
+    r = httpx.post(url, content=big, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and "send the tensor as binary data" in r.json()["error"], r.text[:300]
     r = httpx.post(url, content="[" * 100_000 + "]" * 100_000, headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "not JSON" in r.json()["error"], r.text
     metrics = httpx.get(thr_server.url + "/metrics").text
@@ -97,6 +125,16 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
     thr_server.store.wait_until("broken", ("available",), 30)
     r = httpx.post(thr_server.url + "/v2/models/broken/infer", json={"inputs": [tensor]})
     assert r.status_code == 409 and "failed to load" in r.json()["error"], r.text
+
+    # A MAP has no tensor entry point: its metadata and readiness say so as its infer does (its metadata described
+    # a bundle's INPUT/OUTPUT tensors).
+    (thr_server.config.store / "seg.map.json").write_text(json.dumps({"image": "localhost/medserve-none:1"}))
+    thr_server.store.wait_until("seg", ("failed", "available"), 60)
+    for path in ("", "/ready", "/infer"):
+        model_url = thr_server.url + f"/v2/models/seg{path}"
+        r = httpx.post(model_url, json={"inputs": [tensor]}) if path == "/infer" else httpx.get(model_url)
+        assert r.status_code == 400 and r.json() == {"error": "model 'seg' is a MAP: POST a study to "
+                                                              "/v1/models/seg/infer"}, (path, r.text)
 
 
 class Raising(torch.nn.Module):
