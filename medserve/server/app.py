@@ -123,7 +123,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         shutil.rmtree(config.tmp_dir, ignore_errors=True)  # sync-request scratch from a previous run
         config.tmp_dir.mkdir(parents=True, exist_ok=True)
         metrics.watch_jobs(jobs.counts)
-        upload_store = UploadStore(config.uploads_dir, config.max_upload_bytes, config.upload_expiry_seconds)
+        upload_store = UploadStore(config.uploads_dir, config.max_upload_bytes, config.upload_expiry_seconds,
+                                   config.upload_idle_seconds)
         auth = Authenticator(load_tokens(config.tokens_file))
     except BaseException:  # a bad tokens file, say: leave the data dir free for the corrected retry
         if jobs is not None:
@@ -163,6 +164,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     app.include_router(uploads.router)
+    app.add_middleware(uploads.TusProtocol)
     app.include_router(oip.router)
 
     @app.get("/healthz", tags=["health"])

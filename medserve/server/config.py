@@ -38,6 +38,9 @@ class ServerConfig:
     # Uploads (tus): maximum declared length and lifetime of an unfinished or unused upload.
     max_upload_bytes: int = 4 * 1024**3
     upload_expiry_seconds: float = 24 * 3600.0
+    # A PATCH whose body stops arriving for this long ends (its bytes kept, its lock given back): a dropped link
+    # that TCP never reports would otherwise lock the upload against every resume, DELETE and expiry.
+    upload_idle_seconds: float = 60.0
     # DICOMweb store the `{study, series}` inputs refer to, and the retry policy jobs use when it is down.
     dicomweb_url: str | None = None
     dicomweb_timeout: float = 30.0

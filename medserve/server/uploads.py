@@ -23,12 +23,11 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 import anyio
 from fastapi import APIRouter, Depends, Request
-from fastapi.routing import APIRoute
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
@@ -66,6 +65,11 @@ def parse_metadata(header: str) -> tuple[dict[str, str], str]:
     for item in filter(None, (part.strip() for part in header.split(","))):
         key, _, value = item.partition(" ")
         value = value.strip()
+        if not key.isascii() or not key.isprintable() or "\t" in key:
+            raise ApiError(400, "bad_metadata", f"Upload-Metadata key {key[:100]!r}: keys are printable ASCII "
+                           "without spaces or commas")
+        if key in out:  # tus 1.0.0: "All keys MUST be unique"
+            raise ApiError(400, "bad_metadata", f"Upload-Metadata names the key {key!r} twice")
         try:
             raw = base64.b64decode(value, validate=True) if value else b""
         except binascii.Error as error:
@@ -81,11 +85,12 @@ def parse_metadata(header: str) -> tuple[dict[str, str], str]:
 class UploadStore:
     """Upload files on disk and the operations the tus routes and the inference inputs need."""
 
-    def __init__(self, root: Path, max_bytes: int, expiry_seconds: float) -> None:
+    def __init__(self, root: Path, max_bytes: int, expiry_seconds: float, idle_seconds: float = 60.0) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self.expiry_seconds = expiry_seconds
+        self.idle_seconds = idle_seconds
         self._locks: dict[str, asyncio.Lock] = {}
         for marker in self.root.glob("*.pending"):
             _drop_unverified(marker)
@@ -210,24 +215,39 @@ def _uploads(request: Request) -> UploadStore:
     return request.app.state.uploads
 
 
-class TusRoute(APIRoute):
-    """A tus endpoint: its error responses carry Tus-Resumable as its successes do (tus 1.0.0 asks for it on every
-    response but OPTIONS's), auth refusals included, as dependencies run inside the handler."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def with_version(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ApiError as error:
-                error.headers.setdefault("Tus-Resumable", TUS_VERSION)
-                raise
-
-        return with_version
+PREFIX = "/v1/uploads"
+router = APIRouter(prefix=PREFIX, tags=["uploads (tus 1.0.0)"])
 
 
-router = APIRouter(prefix="/v1/uploads", tags=["uploads (tus 1.0.0)"], route_class=TusRoute)
+class TusProtocol:
+    """ASGI middleware for the tus paths. Every response but OPTIONS's carries Tus-Resumable (tus 1.0.0 asks for
+    it on all of them), including those no tus route made: routing's 404/405 and trailing-slash redirect, auth
+    refusals, errors. And X-HTTP-Method-Override (for clients behind proxies that only pass GET and POST) is
+    taken as the request's method, which the protocol says it MUST be, the actual method being ignored."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not (path == PREFIX or path.startswith(PREFIX + "/")):
+            await self.app(scope, receive, send)
+            return
+        override = Headers(scope=scope).get("x-http-method-override")
+        if override:
+            scope = {**scope, "method": override.strip().upper()}
+        if scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_version(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                if "tus-resumable" not in headers:
+                    headers.append("Tus-Resumable", TUS_VERSION)
+            await send(message)
+
+        await self.app(scope, receive, send_with_version)
 
 
 @router.options("")
@@ -284,7 +304,7 @@ async def describe(request: Request, upload_id: str) -> JSONResponse:
 async def patch(request: Request, upload_id: str) -> Response:
     _check_version(request)
     store = _uploads(request)
-    if request.headers.get("content-type", "").split(";")[0].strip() != "application/offset+octet-stream":
+    if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/offset+octet-stream":
         raise ApiError(415, "bad_content_type", "PATCH needs Content-Type: application/offset+octet-stream")
     checksum = None
     if "upload-checksum" in request.headers:
@@ -316,49 +336,86 @@ async def patch(request: Request, upload_id: str) -> Response:
         if claimed_offset != offset:
             raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
                            {"Upload-Offset": str(offset)})
+        body = Body(request, offset, info.length, store.idle_seconds)
         if checksum is None:
-            received = await _receive(request, data_path, offset, info.length)
+            received = await _receive(body, data_path)
         else:
-            received = await _receive_verified(request, data_path, store.pending_path(upload_id), offset,
-                                               info.length, checksum)
+            received = await _receive_verified(body, data_path, store.pending_path(upload_id), checksum)
         store.touch(info)
         new_offset = offset + received
         if new_offset == info.length:
             log.info("upload %s complete (%d bytes)", upload_id, info.length)
-        return Response(status_code=204, headers=_tus_headers(**{
-            "Upload-Offset": str(new_offset), "Upload-Expires": _http_date(info.expires)}))
+        headers = {"Upload-Offset": str(new_offset), "Upload-Expires": _http_date(info.expires)}
+        if body.ended == "stalled":
+            kept = "the bytes received were kept" if checksum is None else "the checksummed chunk was dropped"
+            raise ApiError(408, "upload_stalled", f"no body bytes for {store.idle_seconds:g} s; {kept}; resume "
+                           f"from Upload-Offset {new_offset}", {**headers, "Connection": "close"})
+        return Response(status_code=204, headers=_tus_headers(**headers))
 
 
-async def _receive(request: Request, path: Path, offset: int, length: int) -> int:
-    """Stream the body onto the upload at `offset`; returns the bytes kept: what arrived, also from a client that
-    went away (that is what resuming is for)."""
+class Body:
+    """A PATCH's body as it arrives, to be written at the upload's `offset` without going past its declared
+    `length`. `ended` says how it ended: "complete", "disconnected" (the client went away) or "stalled" (no bytes
+    for `idle_seconds`: a link dropped without a word, which uvicorn, having no body read timeout, would wait on
+    for ever while the upload stays locked)."""
+
+    def __init__(self, request: Request, offset: int, length: int, idle_seconds: float) -> None:
+        self.request = request
+        self.offset = offset
+        self.length = length
+        self.idle_seconds = idle_seconds
+        self.ended = "complete"
+
+    async def chunks(self) -> Any:
+        stream = self.request.stream()
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(self.idle_seconds):  # no task per chunk, as wait_for would make
+                        chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except ClientDisconnect:
+                    self.ended = "disconnected"
+                    return
+                except TimeoutError:
+                    self.ended = "stalled"
+                    return
+                yield chunk
+        finally:
+            await stream.aclose()
+
+
+async def _receive(body: Body, path: Path) -> int:
+    """Stream the body onto the upload at its offset; returns the bytes kept: what arrived, also from a client
+    that went away or stalled (that is what resuming is for)."""
     with open(path, "r+b") as out:
-        out.seek(offset)
-        received, disconnected = await _write_body(request, out, offset, length, None)
-    if disconnected:
-        log.info("upload %s: client disconnected after %d bytes; kept for resuming", path.stem, received)
+        out.seek(body.offset)
+        received = await _write_body(body, out, None)
+    if body.ended != "complete":
+        log.info("upload %s: client %s after %d bytes; kept for resuming", path.stem, body.ended, received)
     return received
 
 
-async def _receive_verified(request: Request, path: Path, pending: Path, offset: int, length: int,
-                            checksum: tuple[Any, bytes]) -> int:
-    """Stream a checksummed body onto the upload at `offset` and keep it if its digest matches; returns the bytes
-    kept (none when the client went away before the end: the digest is of the whole body). `pending` marks the
-    bytes as unverified meanwhile, for a start after a crash (`_drop_unverified`)."""
+async def _receive_verified(body: Body, path: Path, pending: Path, checksum: tuple[Any, bytes]) -> int:
+    """Stream a checksummed body onto the upload at its offset and keep it if its digest matches; returns the
+    bytes kept (none when the client went away or stalled before the end: the digest is of the whole body).
+    `pending` marks the bytes as unverified meanwhile, for a start after a crash (`_drop_unverified`)."""
     digest, expected = checksum
+    offset = body.offset
     pending.write_text(str(offset))  # before any byte is written: a marker that holds no offset marks none
     try:
         with open(path, "r+b") as out:
             out.seek(offset)
             try:
-                received, disconnected = await _write_body(request, out, offset, length, digest)
-                if not disconnected and digest.digest() != expected:
+                received = await _write_body(body, out, digest)
+                if body.ended == "complete" and digest.digest() != expected:
                     raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk "
                                    "dropped", {"Upload-Offset": str(offset)})
             except BaseException:
                 await anyio.to_thread.run_sync(_truncate, out, offset)
                 raise
-            if disconnected:
+            if body.ended != "complete":
                 await anyio.to_thread.run_sync(_truncate, out, offset)
                 return 0
         return received
@@ -379,32 +436,28 @@ def _drop_unverified(marker: Path) -> None:
     marker.unlink(missing_ok=True)
 
 
-async def _write_body(request: Request, out: Any, offset: int, length: int, digest: Any | None) -> tuple[int, bool]:
-    """Write the body to `out` from where it stands: (bytes received, whether the client went away). A body that
-    goes past the upload's declared `length` (it starts at `offset`) is dropped from `out` with 413."""
+async def _write_body(body: Body, out: Any, digest: Any | None) -> int:
+    """Write the body to `out` from where it stands; returns the bytes received (`body.ended` says how it
+    ended). A body that goes past the upload's declared length is dropped from `out` with 413."""
     start = out.tell()
     received = 0
     buffer = bytearray()
-    disconnected = False
-    try:
-        async for chunk in request.stream():
-            received += len(chunk)
-            if offset + received > length:
-                await anyio.to_thread.run_sync(_truncate, out, start)
-                raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {length}",
-                               {"Upload-Offset": str(offset)})
-            if digest is not None:
-                digest.update(chunk)
-            buffer += chunk
-            if len(buffer) >= WRITE_BATCH:
-                await anyio.to_thread.run_sync(out.write, bytes(buffer))
-                buffer.clear()
-    except ClientDisconnect:
-        disconnected = True
+    async for chunk in body.chunks():
+        received += len(chunk)
+        if body.offset + received > body.length:
+            await anyio.to_thread.run_sync(_truncate, out, start)
+            raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {body.length}",
+                           {"Upload-Offset": str(body.offset)})
+        if digest is not None:
+            digest.update(chunk)
+        buffer += chunk
+        if len(buffer) >= WRITE_BATCH:
+            await anyio.to_thread.run_sync(out.write, bytes(buffer))
+            buffer.clear()
     if buffer:
         await anyio.to_thread.run_sync(out.write, bytes(buffer))
     await anyio.to_thread.run_sync(out.flush)
-    return received, disconnected
+    return received
 
 
 def _truncate(handle: Any, offset: int) -> None:

@@ -191,6 +191,67 @@ def test_protocol_errors(make_server) -> None:
     assert httpx.head(url, headers=TUS).status_code == 404
 
 
+def test_protocol_details_other_clients_rely_on(make_server) -> None:
+    """X-HTTP-Method-Override (tus: MUST be taken as the method) was a 405; Tus-Resumable was missing from
+    routing's answers; a Content-Type in capitals was 415; duplicate or non-ASCII metadata keys were accepted;
+    integer headers over 4,300 digits were a 500 (int() refuses them)."""
+    server = make_server()
+    url = _create(server, 6)
+    override = {**TUS, "X-HTTP-Method-Override": "PATCH", "Upload-Offset": "0",
+                "Content-Type": "application/offset+octet-stream"}
+    r = httpx.post(url, content=b"abc", headers=override)
+    assert (r.status_code, r.headers["Upload-Offset"], r.headers["Tus-Resumable"]) == (204, "3", "1.0.0"), r.text
+    r = _patch(url, b"def", 3, **{"Content-Type": "Application/Offset+Octet-Stream"})
+    assert (r.status_code, r.headers["Upload-Offset"]) == (204, "6"), r.text
+    for response, status in ((httpx.get(server.url + "/v1/uploads", headers=TUS), 405),
+                             (httpx.post(url, headers=TUS), 405),
+                             (httpx.head(url + "/extra", headers=TUS), 404),
+                             (httpx.post(server.url + "/v1/uploads", headers={"Upload-Length": "1"}), 412)):
+        assert (response.status_code, response.headers.get("Tus-Resumable")) == (status, "1.0.0"), response
+    assert "Tus-Resumable" not in httpx.get(server.url + "/healthz").headers
+    assert httpx.post(url, headers={**TUS, "X-HTTP-Method-Override": "DELETE"}).status_code == 204
+    assert httpx.head(url, headers=TUS).status_code == 404
+    for metadata, message in (("a YQ==,a Yg==", "Upload-Metadata names the key 'a' twice"),
+                              ("é YQ==".encode().decode("latin-1"), "keys are printable ASCII")):
+        r = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Upload-Length": "1",
+                                                            "Upload-Metadata": metadata.encode("latin-1")})
+        assert r.status_code == 400 and r.json()["error"] == "bad_metadata" and message in r.json()["message"], r.text
+    huge = "9" * 5000
+    r = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Upload-Length": huge})
+    assert r.status_code == 400 and r.json()["error"] == "bad_upload_length", r.text
+    r = _patch(_create(server, 4), b"a", 0, **{"Upload-Offset": huge})
+    assert r.status_code == 400 and r.json()["error"] == "bad_upload_offset", r.text[:300]
+
+
+@pytest.mark.parametrize("checksummed", [False, True])
+def test_a_patch_whose_body_stalls_ends_and_frees_the_upload(make_server, checksummed: bool) -> None:
+    """A client whose link dropped without a word (no FIN, no RST) left its PATCH waiting for the rest of the
+    body for good: every resume, DELETE and the expiry got 423 upload_locked. Now it ends after
+    upload_idle_seconds with 408, keeping what arrived (a checksummed chunk: nothing), and the upload resumes."""
+    server = make_server(upload_idle_seconds=1.0)
+    url = _create(server, 1000)
+    path = "/" + url.split("/", 3)[3]
+    checksum = ("Upload-Checksum: sha1 " + base64.b64encode(hashlib.sha1(bytes(1000)).digest()).decode() + "\r\n"
+                if checksummed else "")
+    head = (f"PATCH {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nTus-Resumable: 1.0.0\r\nUpload-Offset: 0\r\n"
+            f"Content-Type: application/offset+octet-stream\r\n{checksum}Content-Length: 1000\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.config.port), timeout=30) as conn:
+        conn.sendall(head + bytes(100))  # and then nothing more, the connection left open
+        started = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += conn.recv(65536)
+        waited = time.monotonic() - started
+    status_line, *header_lines = answer.split(b"\r\n\r\n")[0].decode().split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in header_lines)}
+    kept = "0" if checksummed else "100"
+    assert status_line.startswith("HTTP/1.1 408") and headers["upload-offset"] == kept, answer
+    assert headers["tus-resumable"] == "1.0.0" and headers["connection"] == "close" and waited < 10, headers
+    assert httpx.head(url, headers=TUS).headers["Upload-Offset"] == kept
+    r = _patch(url, bytes(1000 - int(kept)), int(kept))
+    assert (r.status_code, r.headers["Upload-Offset"]) == (204, "1000"), r.text
+
+
 def test_expiration(make_server) -> None:
     server = make_server(upload_expiry_seconds=0.5)
     url = _create(server, 4)
