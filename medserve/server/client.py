@@ -25,6 +25,7 @@ log = logging.getLogger("medserve.server.client")
 CHUNK = 8 * 1024 * 1024
 FINAL = ("succeeded", "failed", "cancelled")
 PARTIAL = ".partial"
+UNREACHABLE_PATIENCE = 60.0  # seconds a job's progress is waited for while the server cannot be reached
 ABANDONED_SECONDS = 24 * 3600
 
 
@@ -306,8 +307,20 @@ class Client:
     def wait(self, job_id: str, on_update: Callable[[dict[str, Any]], None] | None = None,
              timeout: float = 24 * 3600, interval: float = 0.25) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
+        unreachable_since: float | None = None
         while True:
-            job = self.get(f"/v1/jobs/{quote(job_id, safe='')}")
+            try:
+                job = self.get(f"/v1/jobs/{quote(job_id, safe='')}")
+            except ClientError as error:
+                # A server restarting (an upgrade, a crash) keeps its jobs: wait a while for it to be back.
+                if error.status is not None:
+                    raise
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > UNREACHABLE_PATIENCE:
+                    raise
+                time.sleep(1.0)
+                continue
+            unreachable_since = None
             if on_update is not None:
                 on_update(job)
             if job["state"] in FINAL:

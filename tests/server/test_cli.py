@@ -489,3 +489,45 @@ def test_client_commands_end_on_sigterm_as_on_ctrl_c(tmp_path: Path, signal_name
     assert proc.returncode == 128 + getattr(signal, signal_name), stderr
     assert stderr.strip().splitlines()[-1] == f"error: interrupted by {signal_name}", stderr
     assert not (tmp_path / "made").exists()
+
+
+def test_waiting_for_a_job_outlasts_a_server_restart(tmp_path: Path) -> None:
+    """One poll that found the server down (restarting: it keeps its jobs) ended `medserve infer` with 'cannot
+    reach'; the wait now goes on while the server is back within a minute."""
+    import http.server
+    import json
+    import threading
+    import time
+
+    from medserve.server.client import Client
+    from tests.server.conftest import free_port
+
+    port = free_port()
+    job = {"id": "a" * 32, "state": "succeeded", "progress": 1.0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps(job).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    servers = []
+
+    def start_later() -> None:
+        time.sleep(3)
+        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler))
+        servers[0].serve_forever()
+
+    threading.Thread(target=start_later, daemon=True).start()
+    try:
+        assert Client(f"http://127.0.0.1:{port}").wait(job["id"], interval=0.1)["state"] == "succeeded"
+    finally:
+        if servers:
+            servers[0].shutdown()
+            servers[0].server_close()
