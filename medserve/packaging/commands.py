@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from medserve.packaging import layout
