@@ -57,7 +57,7 @@ class RunRecord:
     failure: Failure | None = None
     outputs: list[Path] = field(default_factory=list)
     watched: bool = False  # failures are recorded here, not raised out of Application.run()
-    ended: bool = False  # the run it describes has ended: the next compute starts a new one
+    ended: bool = False  # an operator of the run it describes has stopped: the next start begins a new run
 
     def clear(self) -> None:
         self.failure = None
@@ -84,9 +84,9 @@ def run_record(fragment: Any) -> RunRecord:
 def watch_failures(fragment: Any) -> RunRecord:
     """Take over failure reporting for `fragment`'s runs: the first failure is recorded in the returned record,
     with the files the run wrote, instead of being raised. The record describes the latest run: it is cleared
-    when the next run's first operator computes (our operators mark a run's end as they stop), so an earlier
-    run's failure cannot silence the next one (its operators would skip every compute), nor its files be taken
-    for the next one's. Calling it again returns the same record, cleared."""
+    as the next run's operators start (see RunEndingOperator), so an earlier run's failure cannot silence the next
+    one (its operators would skip every compute), nor its files be taken for the next one's. Calling it again
+    returns the same record, cleared."""
     record = getattr(fragment, _RUN_ATTRIBUTE, None)
     if record is None or not record.watched:
         record = RunRecord(watched=True)
@@ -96,8 +96,16 @@ def watch_failures(fragment: Any) -> RunRecord:
 
 
 class RunEndingOperator(Operator):
-    """The base of our operators: its stop(), which Holoscan calls on each operator as a run ends, marks the run
-    record ended, so that the next run of the same fragment starts with a clear one."""
+    """The base of our operators: it keeps a watched run record to the run it describes. Holoscan calls stop()
+    on an operator when it is done, which under the greedy scheduler can be while other branches of the same run
+    still compute (a source whose CountCondition is spent), and start() on every operator of a run before any
+    compute. So stop() only marks the record ended, and the first of our operators to start in the next run
+    clears it."""
+
+    def start(self) -> None:
+        record = run_record(self.fragment)
+        if record.ended:
+            record.clear()
 
     def stop(self) -> None:
         run_record(self.fragment).ended = True
@@ -107,8 +115,6 @@ def reports_failures(compute: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(compute)
     def wrapper(self: Any, op_input: Any, op_output: Any, context: Any) -> None:
         record = run_record(self.fragment)
-        if record.ended:
-            record.clear()
         if not record.watched:
             compute(self, op_input, op_output, context)
             return

@@ -26,7 +26,8 @@ class SeriesSelectorOperator(RunEndingOperator):
     rules: a JSON string, a JSON file or a dict, validated here (SelectionError when malformed); None or blank:
         the largest CT or MR series of each study (the stock selects every series). See medserve.dicom.select.
     all_matched, sort_by_sop_instance_count: as the stock operator's (all matches of each selection; with
-        all_matched, ordered by SOP instance count, largest first).
+        all_matched, ordered by SOP instance count, largest first), but checked: True or False, and
+        sort_by_sop_instance_count only with all_matched (the stock operator ignores it alone).
 
     Named input:
         study_index: a StudyIndex from DicomLoaderOperator.

@@ -498,6 +498,74 @@ for folder in folders:
 """
 
 
+EARLY_STOP_APP = """
+import sys
+from pathlib import Path
+
+from holoscan.conditions import CountCondition, PeriodicCondition
+from monai.deploy.core import Application
+
+from operators.failures import RunEndingOperator, records_output, reports_failures, watch_failures
+
+written = Path(sys.argv[1])
+
+
+class Source(RunEndingOperator):
+    def setup(self, spec):
+        spec.output("out")
+
+    @reports_failures
+    def compute(self, op_input, op_output, context):
+        op_output.emit(1, "out")
+
+
+class Writer(RunEndingOperator):
+    def setup(self, spec):
+        spec.input("in")
+
+    @reports_failures
+    def compute(self, op_input, op_output, context):
+        op_input.receive("in")
+        records_output(self.fragment, written)
+
+
+class Late(RunEndingOperator):
+    computed = 0
+
+    @reports_failures
+    def compute(self, op_input, op_output, context):
+        Late.computed += 1
+        if Late.computed == 2:
+            raise RuntimeError("late failure")
+
+
+class TwoBranches(Application):
+    def compose(self):
+        source = Source(self, CountCondition(self, 1), name="source")
+        self.add_flow(source, Writer(self, name="writer"), {("out", "in")})
+        self.add_operator(Late(self, CountCondition(self, 2), PeriodicCondition(self, 200_000_000), name="late"))
+
+
+app = TwoBranches([sys.executable, __file__, "--log-level", "WARN"])
+record = watch_failures(app)
+app.run()
+print(record.failure.message() if record.failure else "ok", [path.name for path in record.outputs])
+"""
+
+
+def test_a_branch_that_ends_early_does_not_clear_its_runs_record(tmp_path):
+    """Under the greedy scheduler Holoscan stops a source whose CountCondition is spent while a periodic branch
+    of the same run still computes; the record must keep that run's files and the later branch's failure."""
+    script = tmp_path / "early_stop_app.py"
+    script.write_text(EARLY_STOP_APP)
+    run = subprocess.run(["bash", "-c", f"ulimit -s 32768; exec {sys.executable} {script} '{tmp_path / 'seg.dcm'}'"],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ,
+                                                                                      "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines()[-1] == ("internal error in operator late: RuntimeError: late failure (run with "
+                                           "--log-level DEBUG for the traceback) ['seg.dcm']"), run.stdout
+
+
 @pytest.mark.parametrize("mode", ["raised", "watched_each_run", "watched_once"])
 def test_failures_in_a_users_graph_are_raised_unless_the_app_watches_its_runs(tmp_path, threshold_bundle, mode):
     """A user's own graph of our operators fails as one of stock operators does (the error raised out of

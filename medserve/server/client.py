@@ -10,6 +10,7 @@ import logging
 import os
 import tempfile
 import time
+import uuid
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -258,7 +259,24 @@ class Client:
 
     def upload(self, path: Path, progress: Callable[[int, int], None] | None = None) -> str:
         """tus upload of `path`, resuming an earlier partial upload of the same bytes to this server; returns the
-        upload id. An upload the server no longer has (expired or deleted) is forgotten and started again."""
+        upload id. An upload the server no longer has (expired or deleted) is forgotten and started again.
+
+        The bytes are read through a link of their own: another run of the same study that finishes meanwhile
+        removes the cached zip, and tuspy opens the file again for every chunk."""
+        private = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:8]}{PARTIAL}")
+        try:
+            os.link(path, private)
+        except FileNotFoundError as error:
+            raise ClientError(f"{path}: the study's zip was removed meanwhile (a run of the same study finished); "
+                              "run again") from error
+        except OSError:  # a file system without hard links: read the zip itself
+            return self._upload(path, path.name, progress)
+        try:
+            return self._upload(private, path.name, progress)
+        finally:
+            private.unlink(missing_ok=True)
+
+    def _upload(self, path: Path, name: str, progress: Callable[[int, int], None] | None) -> str:
         from tusclient import client as tus
         from tusclient.exceptions import TusCommunicationError, TusUploadFailed
 
@@ -269,7 +287,7 @@ class Client:
             try:
                 # With a stored URL, the constructor already asks the server for the offset.
                 uploader = tus_client.uploader(str(path), chunk_size=CHUNK, store_url=True, url_storage=storage,
-                                               fingerprinter=fingerprint, metadata={"filename": path.name},
+                                               fingerprinter=fingerprint, metadata={"filename": name},
                                                upload_checksum=True, retries=3, retry_delay=1)
                 size = uploader.get_file_size()
                 while uploader.offset < size:
@@ -309,13 +327,14 @@ class Client:
         deadline = time.monotonic() + timeout
         unreachable_since: float | None = None
         while True:
+            asked = time.monotonic()
             try:
                 job = self.get(f"/v1/jobs/{quote(job_id, safe='')}")
             except ClientError as error:
                 # A server restarting (an upgrade, a crash) keeps its jobs: wait a while for it to be back.
                 if error.status is not None:
                     raise
-                unreachable_since = unreachable_since or time.monotonic()
+                unreachable_since = unreachable_since or asked  # a request that timed out counts whole
                 if time.monotonic() - unreachable_since > UNREACHABLE_PATIENCE:
                     raise
                 time.sleep(1.0)

@@ -228,31 +228,13 @@ def _writable_output(folder: Path, target: Path) -> list[Path]:
 
 
 def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
     from medserve.server.client import ClientError, study_zip
 
     client.check_model(args.name)  # before a study of many MB goes up
-    if args.study_dir is not None:
-        archive = study_zip(args.study_dir)
-        columns = (TextColumn("upload"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=console, transient=False) as bar:
-            task = bar.add_task("upload", total=archive.stat().st_size)
-            upload_id = client.upload(archive, lambda done, total: bar.update(task, completed=done))
-            bar.update(task, completed=archive.stat().st_size)
-        body: dict[str, Any] = {"upload": upload_id}
-        key: str | None = f"{args.name}\0upload\0{upload_id}"
-    else:
-        body = {"study": args.study}
-        if args.series:
-            body["series"] = args.series
-        if args.dicomweb:
-            body["store"] = args.dicomweb
-        if args.writeback:
-            body["writeback"] = True
-        key = None  # a second run on a store reference is a new request (the study may have changed)
+    archive = study_zip(args.study_dir) if args.study_dir is not None else None
     retired: set[str] = set()
     while True:
+        body, key = _job_body(args, client, console, archive)
         job = _submit(client, args.name, body, key, retired)
         job = _wait(client, job, console)
         if job["state"] != "succeeded":
@@ -264,7 +246,8 @@ def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) ->
             break
         except ClientError as error:
             # A replayed job whose result the server no longer has (removed from its data dir): run it again,
-            # once, rather than answer every re-run with 410.
+            # once (uploading the study again if the server has dropped that too), rather than answer every
+            # re-run with 410.
             if error.status != 410 or key is None or retired:
                 raise
             console.print(f"job {job['id']}'s result is gone from the server; running the study again")
@@ -272,10 +255,33 @@ def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) ->
     console.print(f"[green]done[/green] job {job['id']} -> {target}")
     if job.get("segments"):
         console.print("segments: " + ", ".join(f"{k}={v}" for k, v in job["segments"].items()))
-    if args.study_dir is not None:  # the result is here: the cached zip is no longer needed to resume anything
+    if archive is not None:  # the result is here: the cached zip is no longer needed to resume anything
         archive.unlink(missing_ok=True)
     print(target)
     return 0
+
+
+def _job_body(args: argparse.Namespace, client: Any, console: Any,
+              archive: Path | None) -> tuple[dict[str, Any], str | None]:
+    """The job request's body and its idempotency key: the upload of `archive` (resumed, or made again when the
+    server has dropped it), or the study in the DICOM store."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    if archive is not None:
+        columns = (TextColumn("upload"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as bar:
+            task = bar.add_task("upload", total=archive.stat().st_size)
+            upload_id = client.upload(archive, lambda done, total: bar.update(task, completed=done))
+            bar.update(task, completed=archive.stat().st_size)
+        return {"upload": upload_id}, f"{args.name}\0upload\0{upload_id}"
+    body: dict[str, Any] = {"study": args.study}
+    if args.series:
+        body["series"] = args.series
+    if args.dicomweb:
+        body["store"] = args.dicomweb
+    if args.writeback:
+        body["writeback"] = True
+    return body, None  # a second run on a store reference is a new request (the study may have changed)
 
 
 def _wait(client: Any, job: dict[str, Any], console: Any) -> dict[str, Any]:

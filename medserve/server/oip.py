@@ -182,6 +182,8 @@ def _json_values(data: Any, datatype: str, dtype: np.dtype) -> np.ndarray:
         values = np.asarray(data).reshape(-1)
     except (TypeError, ValueError, OverflowError) as error:  # ragged nesting
         raise ApiError(400, "bad_request", f"{expected}: {error}") from error
+    if dtype.kind != "b" and values.dtype.kind in "iuf" and _holds_bool(data):  # [1, true] is int64 to numpy
+        raise ApiError(400, "bad_request", f"{expected}; got true/false among them")
     if values.size and values.dtype.kind not in _JSON_KINDS[dtype.kind]:
         found = {"U": "text", "O": "objects or integers beyond 64 bits", "b": "true/false", "f": "fractional "
                  "numbers"}.get(values.dtype.kind, str(values.dtype))
@@ -191,6 +193,18 @@ def _json_values(data: Any, datatype: str, dtype: np.dtype) -> np.ndarray:
         if values.min() < limits.min or values.max() > limits.max:
             raise ApiError(400, "bad_request", f"{expected} within {limits.min}..{limits.max}")
     return values.astype(dtype, copy=False)
+
+
+def _holds_bool(data: Any) -> bool:
+    """Whether nested lists hold a JSON true/false (Python's bool is an int: numpy casts them silently)."""
+    lists = [data]
+    while lists:
+        for value in lists.pop():
+            if value is True or value is False:
+                return True
+            if type(value) is list:
+                lists.append(value)
+    return False
 
 
 def _is_count(value: object) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import logging
@@ -65,7 +66,7 @@ def parse_metadata(header: str) -> tuple[dict[str, str], str]:
     for item in filter(None, (part.strip() for part in header.split(","))):
         key, _, value = item.partition(" ")
         value = value.strip()
-        if not key.isascii() or not key.isprintable() or "\t" in key:
+        if not key.isascii() or not key.isprintable():
             raise ApiError(400, "bad_metadata", f"Upload-Metadata key {key[:100]!r}: keys are printable ASCII "
                            "without spaces or commas")
         if key in out:  # tus 1.0.0: "All keys MUST be unique"
@@ -220,9 +221,9 @@ router = APIRouter(prefix=PREFIX, tags=["uploads (tus 1.0.0)"])
 
 
 class TusProtocol:
-    """ASGI middleware for the tus paths. Every response but OPTIONS's carries Tus-Resumable (tus 1.0.0 asks for
-    it on all of them), including those no tus route made: routing's 404/405 and trailing-slash redirect, auth
-    refusals, errors. And X-HTTP-Method-Override (for clients behind proxies that only pass GET and POST) is
+    """ASGI middleware for the tus paths. Every response carries Tus-Resumable (tus 1.0.0 asks for it on all but
+    OPTIONS's), including those no tus route made: routing's 404/405 and trailing-slash redirect, auth refusals,
+    errors (but a 500, which Starlette's outermost middleware answers). And X-HTTP-Method-Override (for clients behind proxies that only pass GET and POST) is
     taken as the request's method, which the protocol says it MUST be, the actual method being ignored."""
 
     def __init__(self, app: Any) -> None:
@@ -442,18 +443,19 @@ async def _write_body(body: Body, out: Any, digest: Any | None) -> int:
     start = out.tell()
     received = 0
     buffer = bytearray()
-    async for chunk in body.chunks():
-        received += len(chunk)
-        if body.offset + received > body.length:
-            await anyio.to_thread.run_sync(_truncate, out, start)
-            raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {body.length}",
-                           {"Upload-Offset": str(body.offset)})
-        if digest is not None:
-            digest.update(chunk)
-        buffer += chunk
-        if len(buffer) >= WRITE_BATCH:
-            await anyio.to_thread.run_sync(out.write, bytes(buffer))
-            buffer.clear()
+    async with contextlib.aclosing(body.chunks()) as chunks:  # closed here also when a 413 ends it early
+        async for chunk in chunks:
+            received += len(chunk)
+            if body.offset + received > body.length:
+                await anyio.to_thread.run_sync(_truncate, out, start)
+                raise ApiError(413, "upload_too_long", f"body goes past the declared Upload-Length {body.length}",
+                               {"Upload-Offset": str(body.offset)})
+            if digest is not None:
+                digest.update(chunk)
+            buffer += chunk
+            if len(buffer) >= WRITE_BATCH:
+                await anyio.to_thread.run_sync(out.write, bytes(buffer))
+                buffer.clear()
     if buffer:
         await anyio.to_thread.run_sync(out.write, bytes(buffer))
     await anyio.to_thread.run_sync(out.flush)

@@ -89,6 +89,9 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
              "inputs[0].data must be a list of BOOL values (true/false); got int64"),
             ({"inputs": [{**tensor, "data": ["1.5"] * 8}]}, "inputs[0].data must be a list of FP32 numbers; got text"),
             ({"inputs": [{**tensor, "data": [True] * 8}]}, "got true/false"),
+            ({"inputs": [{**tensor, "data": [0.5] * 7 + [True]}]}, "got true/false among them"),
+            ({"inputs": [{**tensor, "datatype": "INT32", "data": [[1, 2], [3, 4], [5, 6], [7, False]]}]},
+             "got true/false among them"),
             ({"inputs": [tensor], "outputs": [{"name": "OUTPUT"}, {"name": "OUTPUT", "parameters": {"binary_data":
                                                                                                  True}}]},
              "'outputs' names 'OUTPUT' 2 times; name it once"),

@@ -240,7 +240,9 @@ def test_a_patch_whose_body_stalls_ends_and_frees_the_upload(make_server, checks
         started = time.monotonic()
         answer = b""
         while b"\r\n\r\n" not in answer:
-            answer += conn.recv(65536)
+            data = conn.recv(65536)
+            assert data, answer  # closed without an answer
+            answer += data
         waited = time.monotonic() - started
     status_line, *header_lines = answer.split(b"\r\n\r\n")[0].decode().split("\r\n")
     headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in header_lines)}
