@@ -26,11 +26,11 @@ from medserve.server.accept import preferred_format
 from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
-                                    internal_error_handler, validation_error_handler)
+                                    internal_error_handler, shown, validation_error_handler)
 from medserve.server.inputs import InputSpec, json_object, media_type, parse_input, request_options
 from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
 from medserve.server.lock import UnusableDataDir, lock_data_dir
-from medserve.server.metrics import Metrics
+from medserve.server.metrics import UNKNOWN_MODEL, Metrics
 from medserve.server.runner import execute_async, pull
 from medserve.server.store import ModelStore, check_model_name
 from medserve.server.uploads import UploadStore
@@ -209,13 +209,22 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def infer(name: str, request: Request) -> Response:
         """Synchronous study inference; the body is DICOM files (multipart), a zip, a NIfTI file, or JSON
         `{"upload": ID}` / `{"study": UID, "series": UID}`. Returns the SEG (or NIfTI with ?format=nifti)."""
-        store.entry(name)  # unknown or malformed names fail before anything is read
         work = config.tmp_dir / uuid.uuid4().hex
         start = time.monotonic()
         status = "500"
+        label = UNKNOWN_MODEL  # a name not in the store must not make a metric series of its own
+
+        def options_of_this_model(options: dict[str, Any]) -> None:
+            requested_format(options)
+            if "model" in options and options["model"] != name:
+                raise ApiError(400, "bad_parameter", f"'model' is given as {shown(options['model'])} beside the "
+                               f"model {name!r} this request is sent to; give it once")
+
         try:
+            store.entry(name)  # unknown or malformed names fail before anything is read
+            label = name
             spec, options = await parse_input(request, work / "input", config.max_upload_bytes,
-                                              requested_format)
+                                              options_of_this_model)
             fmt = choose_format(request, options, spec)
             if writeback_option(options):
                 raise ApiError(400, "bad_parameter", "writeback applies to jobs (POST /v1/jobs), which store the SEG "
@@ -238,7 +247,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             status = str(api.status)
             raise api from error
         finally:
-            metrics.requests.labels(name, "v1", status).inc()
+            metrics.requests.labels(label, "v1", status).inc()
             if status != "200":
                 shutil.rmtree(work, ignore_errors=True)
         metrics.latency.labels(name, "v1").observe(time.monotonic() - start)
@@ -254,6 +263,22 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/jobs", tags=["jobs"], status_code=202, dependencies=[Depends(require("infer"))])
     async def create_job(request: Request) -> JSONResponse:
         """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
+        named: dict[str, str] = {}  # the model, once it is known to be in the store (the metric's label)
+        status = "500"
+        try:
+            response = await _create_job(request, named)
+            status = str(response.status_code)
+            return response
+        except ApiError as error:
+            status = str(error.status)
+            raise
+        except MedserveError as error:
+            status = str(from_core(error).status)
+            raise
+        finally:
+            metrics.requests.labels(named.get("model", UNKNOWN_MODEL), "jobs", status).inc()
+
+    async def _create_job(request: Request, named_model: dict[str, str]) -> JSONResponse:
         key = idempotency_key(request)
         existing = jobs.find_idempotent(key) if key else None
         named = request.query_params.get("model")
@@ -267,6 +292,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             check_model_name(model)
             if existing is None:  # a replay is answered even if its model has left the store since
                 store.entry(model)
+            named_model["model"] = model
+            requested_format(options)  # a job writes both formats: a wrong one is still a mistake to say
             return model
 
         if named:

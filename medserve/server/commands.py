@@ -171,7 +171,10 @@ def serve_command(args: argparse.Namespace) -> int:
     app = create_app(config)
     print(f"medserve serving {config.store}/ on http://{config.host}:{config.port} (data in {config.data_dir}/)",
           file=sys.stderr)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", timeout_graceful_shutdown=5)
+    # log_config=None: uvicorn's records go through our handler (one JSON object per line with
+    # MEDSERVE_LOG_FORMAT=json) instead of the plain-text handlers uvicorn would install.
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", log_config=None,
+                timeout_graceful_shutdown=5)
     return 0
 
 

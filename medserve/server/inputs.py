@@ -30,6 +30,7 @@ from medserve.server.errors import ApiError, header_int, shown
 log = logging.getLogger("medserve.server.inputs")
 
 OPTION_FIELDS = ("format", "writeback", "model")  # in the query string, or fields beside the input
+JSON_INPUT_FIELDS = ("upload", "study", "series", "store")
 MAX_JSON_BYTES = 1024 * 1024  # {"upload": ID} / {"study", "series"} references are a few hundred bytes
 MAX_FORM_FILES = 100_000  # Starlette's default of 1000 is below the slice count of many CT series
 UID_RE = re.compile(r"[0-9]+(\.[0-9]+)*")  # DICOM UIDs: digits and dots, at most 64 characters (PS3.5 9.1)
@@ -339,11 +340,18 @@ def request_options(request: Request, body_fields: Iterable[tuple[str, Any]] = (
     for key, value in (*request.query_params.multi_items(), *body_fields):
         if key not in OPTION_FIELDS:
             continue
-        if key in options and options[key] != value:
+        if key in options and _comparable(options[key]) != _comparable(value):
             raise ApiError(400, "bad_parameter", f"{key!r} is given more than once, as {shown(options[key])} and "
                            f"{shown(value)}; give it once")
         options[key] = value
     return options
+
+
+def _comparable(value: Any) -> Any:
+    """An option's value as given twice may be spelled two ways: `?writeback=true` and JSON `true` agree."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return value.strip().lower() if isinstance(value, str) else value
 
 
 def media_type(request: Request) -> str:
@@ -357,11 +365,19 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     model). `check(options)` runs as soon as the options are known, before the study is stored or extracted,
     and may raise to refuse the request (an unknown model) without that work."""
     check = check or (lambda options: None)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # read as is, a gzip-encoded body fails later, and misleadingly
+        raise ApiError(415, "unsupported_media_type", f"Content-Encoding {shown(encoding)} is not supported; send "
+                       "the body unencoded (a zip or .nii.gz is compressed already)")
     dest.mkdir(parents=True, exist_ok=True)
     content_type = media_type(request)
     uploads = request.app.state.uploads
     if content_type == "application/json":
         body = await json_object(request)
+        unknown = sorted(set(body) - set(OPTION_FIELDS) - set(JSON_INPUT_FIELDS))
+        if unknown:  # a misspelt option would otherwise be dropped without a word
+            raise ApiError(400, "bad_json", f"unknown field(s) {', '.join(shown(k) for k in unknown)}; expected "
+                           f"{', '.join(JSON_INPUT_FIELDS + OPTION_FIELDS)}")
         options = request_options(request, body.items())
         check(options)
         if "upload" in body:
@@ -388,7 +404,13 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     if content_type == "multipart/form-data":
         form = await _read_form(request, max_bytes)
         try:
-            options = request_options(request, ((k, v) for k, v in form.multi_items() if isinstance(v, str)))
+            fields = [(k, v) for k, v in form.multi_items() if isinstance(v, str)]
+            for key, _ in fields:
+                if key not in OPTION_FIELDS:  # a file part without a filename, or a misspelt option
+                    raise ApiError(400, "bad_multipart", f"form field {shown(key)} is not a file part (it has no "
+                                   f"filename) nor one of {', '.join(OPTION_FIELDS)}; send files as file parts: "
+                                   f"curl -F 'files=@PATH'")
+            options = request_options(request, fields)
             check(options)
             parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
             if not parts:
@@ -426,4 +448,5 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
         target.unlink()  # extracted, or hard-linked into place
         return spec, options
     raise ApiError(415, "unsupported_media_type",
-                   "send multipart/form-data files, a zip/DICOM/NIfTI body, or JSON {upload} / {study, series}")
+                   f"Content-Type {shown(content_type) if content_type else '(none)'} is not taken: send "
+                   "multipart/form-data files, a zip/DICOM/NIfTI body, or JSON {upload} / {study, series}")

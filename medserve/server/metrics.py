@@ -32,6 +32,9 @@ class _LiveCollector(Collector):
             yield gpu
 
 
+UNKNOWN_MODEL = ""  # the label of requests naming no model in the store: one series, however many names are tried
+
+
 class Metrics:
     """One registry per app, so that several apps in one process (tests) do not collide."""
 

@@ -24,6 +24,7 @@ from medserve.server.auth import require
 from medserve.errors import MedserveError
 from medserve.server.errors import ApiError, from_core, header_int
 from medserve.server.inputs import limited
+from medserve.server.metrics import UNKNOWN_MODEL
 
 log = logging.getLogger("medserve.server.oip")
 
@@ -239,43 +240,48 @@ def _binary_output(req: dict[str, Any]) -> bool:
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    _versioned_entry(request, name, version)
-    body = await limited(request, app_state.config.max_upload_bytes).body()
-    req, binary = _parse_request(request.headers, body)
-    array = _tensor(req["inputs"][0], binary)
-    want_binary = _binary_output(req)
+    label = UNKNOWN_MODEL  # until the name is found in the store: one metric series for every unknown name
+    status = "500"
     start = time.monotonic()
-
-    def run() -> np.ndarray:
-        import torch
-
-        predictor = app_state.store.predictor(name)
-        channels = _in_channels(predictor.network)
-        if channels > 0 and array.shape[1] != channels:
-            raise ApiError(400, "bad_request", f"input shape {list(array.shape)} has {array.shape[1]} channel(s); "
-                           f"model {name!r} takes {channels}")
-        # Binary request data is a read-only view of the body; torch tensors must own writable memory.
-        out = predictor.infer_tensor(torch.from_numpy(np.require(array, requirements=("C", "W"))))
-        return out.detach().to("cpu", torch.float32).numpy()
-
     try:
-        async with app_state.store.admit(name) as (queued, limiter):
-            app_state.metrics.queue.labels(name).observe(queued)
-            output = await anyio.to_thread.run_sync(run, limiter=limiter)
-    except (ApiError, MedserveError) as error:  # answered by the app's handlers, in the OIP shape under /v2
-        status = error.status if isinstance(error, ApiError) else from_core(error).status
-        app_state.metrics.requests.labels(name, "v2", str(status)).inc()
-        raise
-    except Exception as error:
-        app_state.metrics.requests.labels(name, "v2", "500").inc()
-        log.exception("v2 inference failed")
-        raise ApiError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
-    try:
+        _versioned_entry(request, name, version)
+        label = name
+        body = await limited(request, app_state.config.max_upload_bytes).body()
+        req, binary = _parse_request(request.headers, body)
+        array = _tensor(req["inputs"][0], binary)
+        want_binary = _binary_output(req)
+
+        def run() -> np.ndarray:
+            import torch
+
+            predictor = app_state.store.predictor(name)
+            channels = _in_channels(predictor.network)
+            if channels > 0 and array.shape[1] != channels:
+                raise ApiError(400, "bad_request", f"input shape {list(array.shape)} has {array.shape[1]} "
+                               f"channel(s); model {name!r} takes {channels}")
+            # Binary request data is a read-only view of the body; torch tensors must own writable memory.
+            out = predictor.infer_tensor(torch.from_numpy(np.require(array, requirements=("C", "W"))))
+            return out.detach().to("cpu", torch.float32).numpy()
+
+        try:
+            async with app_state.store.admit(name) as (queued, limiter):
+                app_state.metrics.queue.labels(name).observe(queued)
+                output = await anyio.to_thread.run_sync(run, limiter=limiter)
+        except (ApiError, MedserveError):  # answered by the app's handlers, in the OIP shape under /v2
+            raise
+        except Exception as error:
+            log.exception("v2 inference failed")
+            raise ApiError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
         response = _response(name, app_state.store.entry(name).version, req, output, want_binary)
+        status = "200"
     except ApiError as error:
-        app_state.metrics.requests.labels(name, "v2", str(error.status)).inc()
+        status = str(error.status)
         raise
-    app_state.metrics.requests.labels(name, "v2", "200").inc()
+    except MedserveError as error:
+        status = str(from_core(error).status)
+        raise
+    finally:
+        app_state.metrics.requests.labels(label, "v2", status).inc()
     app_state.metrics.latency.labels(name, "v2").observe(time.monotonic() - start)
     return response
 

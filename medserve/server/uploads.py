@@ -223,8 +223,9 @@ router = APIRouter(prefix=PREFIX, tags=["uploads (tus 1.0.0)"])
 class TusProtocol:
     """ASGI middleware for the tus paths. Every response carries Tus-Resumable (tus 1.0.0 asks for it on all but
     OPTIONS's), including those no tus route made: routing's 404/405 and trailing-slash redirect, auth refusals,
-    errors (but a 500, which Starlette's outermost middleware answers). And X-HTTP-Method-Override (for clients behind proxies that only pass GET and POST) is
-    taken as the request's method, which the protocol says it MUST be, the actual method being ignored."""
+    errors (but a 500, which Starlette's outermost middleware answers). And X-HTTP-Method-Override (for clients
+    behind proxies that only pass GET and POST) is taken as the request's method, which the protocol says it
+    MUST be, the actual method being ignored."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

@@ -531,3 +531,31 @@ def test_waiting_for_a_job_outlasts_a_server_restart(tmp_path: Path) -> None:
         if servers:
             servers[0].shutdown()
             servers[0].server_close()
+
+
+def test_the_servers_log_is_one_json_object_per_line_uvicorns_lines_too(tmp_path: Path) -> None:
+    """uvicorn installed its own plain-text handlers: 'WARNING:  Invalid HTTP request received.' (and its
+    traceback of a 500) broke MEDSERVE_LOG_FORMAT=json's one object per line."""
+    import json
+    import time
+
+    from tests.server.conftest import ServerProcess, free_port
+
+    port = free_port()
+    server = ServerProcess(["--store", str(tmp_path / "store"), "--data-dir", str(tmp_path / "data")], port,
+                           env={"MEDSERVE_LOG_FORMAT": "json"}).start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            conn.recv(65536)
+        time.sleep(0.5)
+    finally:
+        server.stop()
+    lines = [line for line in server.proc.stdout.read().decode().splitlines() if line.strip()]
+    entries = []
+    for line in lines:
+        if line.startswith("medserve serving "):  # the start-up line on stderr, for people
+            continue
+        entries.append(json.loads(line))  # every other line an object
+    assert any(entry["logger"].startswith("uvicorn") and "Invalid HTTP request" in entry["msg"]
+               for entry in entries), lines

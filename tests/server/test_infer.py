@@ -494,6 +494,60 @@ def test_an_option_given_twice_with_different_values_is_refused(thr_server, tmp_
     assert r.status_code == 200 and r.headers["content-type"] == "application/gzip", r.text
 
 
+def test_fields_the_server_does_not_take_are_refused_not_dropped(thr_server, tmp_path: Path) -> None:
+    """A part sent without a filename (curl -F 'files=<PATH') was dropped, and the study segmented one slice
+    short with 200; a misspelt option (`fromat`) was ignored; `?model=` naming another model than the path's ran
+    the path's; `?writeback=true` beside JSON `true` was a conflict; a job's bad `format` was accepted; a
+    gzip-encoded body failed as something else."""
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    url = thr_server.url
+    first = sorted(study.iterdir())[0]
+    for path, fields, expected in (
+            ("/v1/models/thr/infer", {"files": first.read_bytes().decode("latin-1")},
+             "form field 'files' is not a file part (it has no filename) nor one of format, writeback, model"),
+            ("/v1/models/thr/infer", {"fromat": "nifti"}, "form field 'fromat' is not a file part"),
+            ("/v1/jobs?model=thr", {"fromat": "nifti"}, "form field 'fromat' is not a file part")):
+        r = httpx.post(url + path, files=multipart_files(study), data=fields, timeout=120)
+        assert r.status_code == 400 and r.json()["error"] == "bad_multipart", (path, r.text)
+        assert expected in r.json()["message"], r.text
+    r = httpx.post(url + "/v1/models/thr/infer?model=nope", files=multipart_files(study), timeout=120)
+    assert r.status_code == 400 and r.json() == {"error": "bad_parameter", "message": "'model' is given as 'nope' "
+                                                 "beside the model 'thr' this request is sent to; give it once"}
+    r = httpx.post(url + "/v1/models/thr/infer", json={"upload": "0" * 32, "fromat": "nifti"})
+    assert r.status_code == 400 and r.json()["error"] == "bad_json" and "unknown field(s) 'fromat'" in r.text
+    r = httpx.post(url + "/v1/jobs?model=thr&writeback=true", json={"upload": "0" * 32, "writeback": True})
+    assert r.status_code == 404 and r.json()["error"] == "unknown_upload", r.text  # not a 'given twice' conflict
+    r = httpx.post(url + "/v1/jobs?model=thr&format=bogus", files=multipart_files(study), timeout=120)
+    assert r.status_code == 400 and r.json()["error"] == "bad_format", r.text
+    r = httpx.post(url + "/v1/models/thr/infer", content=__import__("gzip").compress(_zip(study)),
+                   headers={"Content-Type": "application/zip", "Content-Encoding": "gzip"})
+    assert r.status_code == 415 and r.json()["message"].startswith("Content-Encoding 'gzip' is not supported"), r.text
+    r = httpx.post(url + "/v1/models/thr/infer", content=b"x", headers={"Content-Type": "multipart/related"})
+    assert r.status_code == 415 and "Content-Type 'multipart/related' is not taken" in r.json()["message"], r.text
+    r = httpx.post(url + "/v1/models/thr/infer", files=multipart_files(study), timeout=120)
+    assert r.status_code == 200, r.text  # the same study in file parts
+
+
+def test_metrics_count_every_request_with_bounded_labels(thr_server) -> None:
+    """404s for unknown models, /v2's own 400s and job submissions were not counted; a name not in the store
+    counts under one empty model label, so clients cannot make series without end."""
+    url = thr_server.url
+    for name in ("nope-1", "nope-2"):
+        assert httpx.post(f"{url}/v1/models/{name}/infer", json={"upload": "0" * 32}).status_code == 404
+        assert httpx.post(f"{url}/v1/jobs?model={name}", json={"upload": "0" * 32}).status_code == 404
+        assert httpx.post(f"{url}/v2/models/{name}/infer", json={"inputs": []}).status_code == 404
+    assert httpx.post(f"{url}/v2/models/thr/infer", json={"inputs": []}).status_code == 400
+    assert httpx.post(f"{url}/v1/jobs?model=thr", json={"upload": "0" * 32}).status_code == 404
+    metrics = httpx.get(url + "/metrics").text
+    for line in ('medserve_requests_total{endpoint="v1",model="",status="404"} 2.0',
+                 'medserve_requests_total{endpoint="jobs",model="",status="404"} 2.0',
+                 'medserve_requests_total{endpoint="v2",model="",status="404"} 2.0',
+                 'medserve_requests_total{endpoint="v2",model="thr",status="400"} 1.0',
+                 'medserve_requests_total{endpoint="jobs",model="thr",status="404"} 1.0'):
+        assert line in metrics, (line, [m for m in metrics.splitlines() if m.startswith("medserve_requests")])
+    assert "nope" not in metrics
+
+
 def _multipart(paths: list[Path], boundary: bytes = b"XYZ") -> bytes:
     parts = [b"--" + boundary + b"\r\nContent-Disposition: form-data; name=\"files\"; filename=\"" + p.name.encode()
              + b"\"\r\nContent-Type: application/dicom\r\n\r\n" + p.read_bytes() + b"\r\n" for p in paths]
