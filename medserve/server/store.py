@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -52,7 +53,7 @@ log = logging.getLogger("medserve.server.store")
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 NAME_RULE = "use letters, digits, '.', '_' or '-' (at most 128), no path separators"
 
-Fingerprint = tuple[tuple[str, int, int], ...]
+Fingerprint = tuple[tuple[str, int, int, int, int], ...]
 
 
 def is_model_name(name: str) -> bool:
@@ -68,22 +69,37 @@ def check_model_name(name: Any) -> str:
 
 
 def fingerprint(folder: Path) -> Fingerprint:
-    """Every file under `folder` (or the file itself, for a descriptor) with its size and mtime; any change
-    during a copy changes this value."""
+    """Every file under `folder` (or the file itself, for a descriptor) with its size, mtime, inode and ctime;
+    any change during a copy changes this value. Folders linked into the bundle (`models -> /weights`) are
+    walked too. Size and mtime alone missed a bundle switched by `ln -sfn` between two versions whose files
+    have the same sizes and mtimes (reproducible archives), and a permission fixed by chmod; the inode tells
+    the files apart, and the ctime moves with any change to a file and cannot be set back."""
+    def stamp(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
+        return name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+
     if folder.is_file():
         try:
-            st = folder.stat()
+            return (stamp(folder.name, folder.stat()),)
         except FileNotFoundError:
             return ()
-        return ((folder.name, st.st_size, st.st_mtime_ns),)
-    items: list[tuple[str, int, int]] = []
-    for path in folder.rglob("*"):
+    items = []
+    walked: set[tuple[int, int]] = set()  # real folders, each once: a link back up must not loop
+    for top, folders, files in os.walk(folder, followlinks=True):
         try:
-            if path.is_file():
-                st = path.stat()
-                items.append((path.relative_to(folder).as_posix(), st.st_size, st.st_mtime_ns))
+            st = os.stat(top)
         except FileNotFoundError:  # removed while we walk: the next scan sees the new state
             continue
+        if (st.st_dev, st.st_ino) in walked:
+            folders.clear()
+            continue
+        walked.add((st.st_dev, st.st_ino))
+        for name in files:
+            path = Path(top, name)
+            try:
+                if path.is_file():
+                    items.append(stamp(path.relative_to(folder).as_posix(), path.stat()))
+            except FileNotFoundError:
+                continue
     return tuple(sorted(items))
 
 

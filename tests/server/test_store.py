@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -401,3 +402,35 @@ def test_one_unreadable_model_does_not_keep_the_others_from_settling(base_config
     assert states["broken"][0] == "failed" and "holds a JSON list; expected an object" in states["broken"][1]
     assert states["e.map.json"][0] == "failed" and "no configs/metadata.json" in states["e.map.json"][1]
     assert "v1..2" not in states
+
+
+def test_the_store_sees_changes_behind_links_and_that_size_and_mtime_miss(tmp_path: Path) -> None:
+    """A models/ folder linked into the bundle was not walked (its new weights never loaded); a bundle switched
+    with `ln -sfn` between two versions whose files have equal sizes and mtimes, or a model.pt whose
+    permission was fixed with chmod, kept the same fingerprint, so the old weights (or the failure) stayed."""
+    from medserve.server.store import fingerprint
+
+    bundle = add_bundle(tmp_path / "store", "linked")
+    weights = tmp_path / "weights"
+    (bundle / "models").rename(weights)
+    (bundle / "models").symlink_to(weights, target_is_directory=True)
+    (weights / "loop").symlink_to(weights, target_is_directory=True)  # walked once, not for ever
+    names = [item[0] for item in fingerprint(bundle)]
+    assert "models/model.pt" in names and not any(name.startswith("models/loop/") for name in names), names
+    (weights / "loop").unlink()
+    before = fingerprint(bundle)
+    (weights / "model.pt").chmod(0o600)
+    assert fingerprint(bundle) != before
+
+    versions = tmp_path / "versions"
+    for version in ("v1", "v2"):
+        shutil.copytree(bundle, versions / version, symlinks=False)
+        for path in (versions / version).rglob("*"):
+            os.utime(path, ns=(0, 1_700_000_000 * 10**9), follow_symlinks=False)
+    switched = tmp_path / "store" / "blue"
+    switched.symlink_to(versions / "v1", target_is_directory=True)
+    first = fingerprint(switched)
+    assert [item[:3] for item in first] == [item[:3] for item in fingerprint(versions / "v2")]  # equal stamps
+    switched.unlink()
+    switched.symlink_to(versions / "v2", target_is_directory=True)
+    assert fingerprint(switched) != first
