@@ -202,6 +202,46 @@ def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_pa
     np.testing.assert_array_equal(back.array, label_map)
 
 
+@pytest.mark.parametrize("keyword", ["PixelMeasuresSequence", "PlaneOrientationSequence"])
+def test_an_enhanced_source_with_its_geometry_in_every_frame_gets_its_seg(tmp_path, threshold_bundle, keyword):
+    """Scanners (Philips Enhanced MR) may keep the pixel measures or the orientation in every frame's functional
+    groups rather than the shared ones: the volume loaded, and the SEG failed after the inference (internal error,
+    exit 1: highdicom reads them from the shared groups only)."""
+    import copy
+
+    from medserve.demo.phantom import make_phantom
+    from medserve.demo.study import write_ct_series
+    from medserve.errors import DicomInputError
+    from medserve.writers.seg import _shared_geometry
+
+    written = write_ct_series(make_phantom(shape=(6, 24, 28)).hu, tmp_path / "single")
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=[pydicom.dcmread(p) for p in written.paths], series_instance_uid=pydicom.uid.generate_uid(),
+        series_number=4, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    shared = enhanced.SharedFunctionalGroupsSequence[0]
+    for frame in enhanced.PerFrameFunctionalGroupsSequence:
+        setattr(frame, keyword, copy.deepcopy(shared[keyword].value))
+    delattr(shared, keyword)
+    (tmp_path / "multi").mkdir()
+    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
+    result = run_study(tmp_path / "multi", predictor, tmp_path / "out")
+    assert dciodvfy_errors(result.seg_path) == []
+    source = series_to_volume(select_series(index_folder(tmp_path / "multi"))[0].series)
+    back = hd.seg.segread(result.seg_path).get_volume(combine_segments=True).match_geometry(source)
+    np.testing.assert_array_equal(back.array, predictor.predict(source))
+    assert keyword not in pydicom.dcmread(tmp_path / "multi" / "enhanced.dcm").SharedFunctionalGroupsSequence[0]
+
+    first = enhanced.PerFrameFunctionalGroupsSequence[0]
+    if keyword == "PixelMeasuresSequence":
+        first.PixelMeasuresSequence[0].PixelSpacing = [0.5, 0.5]
+    else:
+        first.PlaneOrientationSequence[0].ImageOrientationPatient = [0, 1, 0, 1, 0, 0]
+    with pytest.raises(DicomInputError, match=f"{keyword} is neither in the shared functional groups nor the same "
+                                              "in every frame's"):  # the loader refuses such frames before
+        _shared_geometry(enhanced, "enhanced.dcm")
+
+
 def _bad_bundle(tmp_path: Path, damage: str) -> Path:
     if damage == "no bundle":
         return tmp_path / "nowhere"

@@ -169,6 +169,28 @@ def test_folder_without_dicom_is_refused_listing_what_was_skipped(tmp_path):
         index_folder(tmp_path)
 
 
+def test_images_of_floating_point_pixels_are_skipped_as_such_not_refused_as_truncated(tmp_path, caplog):
+    """Float Pixel Data (parametric maps, some MR) was read as a file cut before its pixels: 'corrupt or truncated
+    DICOM file: no Pixel Data'."""
+    written = write_ct_series(make_phantom(shape=(3, 16, 16)).hu, tmp_path / "float")
+    for path in written.paths:
+        dataset = pydicom.dcmread(path)
+        values = dataset.pixel_array.astype(np.float32)
+        del dataset.PixelData
+        dataset.BitsAllocated, dataset.BitsStored = 32, 32
+        for keyword in ("HighBit", "PixelRepresentation"):
+            delattr(dataset, keyword)
+        dataset.FloatPixelData = values.tobytes()
+        dataset.save_as(path)
+    with pytest.raises(DicomInputError, match=r"no DICOM files found .*IM00000\.dcm: CT Image Storage with "
+                                              r"floating-point pixel data \(Float Pixel Data\), which is not "
+                                              r"supported; expected integer Pixel Data"):
+        index_folder(tmp_path / "float")
+    write_ct_series(make_phantom(shape=(3, 16, 16)).hu, tmp_path / "float" / "integers")
+    assert len(index_folder(tmp_path / "float").all_series[0].instances) == 3
+    assert "floating-point pixel data" in caplog.text
+
+
 def test_missing_folder_is_refused(tmp_path):
     with pytest.raises(DicomInputError, match="does not exist"):
         index_folder(tmp_path / "nowhere")

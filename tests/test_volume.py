@@ -624,6 +624,23 @@ def test_stored_bits_below_allocated_are_sign_extended(tmp_path, phantom):
     np.testing.assert_allclose(volume_of(tmp_path).array, expected, atol=0.5)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_stored_bits_below_allocated_are_honoured_in_an_enhanced_image_too(tmp_path, phantom, signed):
+    """highdicom decodes an Enhanced image's native frames as the bytes are: 12-bit two's complement values in
+    16-bit words read as 0..4095 (-1000 HU as 3096), junk in the high bits as values; exit 0, a wrong SEG."""
+    write_ct_series(phantom.hu, tmp_path / "single")
+    enhanced = pydicom.dcmread(_enhanced_of(tmp_path / "single", tmp_path / "multi") / "enhanced.dcm")
+    values = enhanced.pixel_array.astype(np.int32) - (2048 if signed else 0)
+    junk = 0x5000 if signed else 0xB000
+    stored = (values.astype(np.int16).view(np.uint16) & 0x0FFF) | junk
+    enhanced.PixelRepresentation, enhanced.BitsStored, enhanced.HighBit = int(signed), 12, 11
+    enhanced.PixelData = stored.astype(np.uint16).tobytes()
+    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    reference = volume_of(tmp_path / "single")
+    expected = reference.array - (2048 if signed else 0)
+    np.testing.assert_allclose(volume_of(tmp_path / "multi").match_geometry(reference).array, expected, atol=0.5)
+
+
 def test_damaged_rle_frame_is_refused_naming_the_file(tmp_path, phantom):
     write_ct_series(phantom.hu, tmp_path, transfer_syntax=RLELossless)
     damaged = sorted(tmp_path.iterdir())[3]

@@ -45,6 +45,8 @@ class Instance:
     pixel_data_offset: int | None
     # Written without the 128-byte preamble and "DICM" (some archives and old modalities do): read with force.
     without_preamble: bool = False
+    # Its pixels are Float or Double Float Pixel Data (a parametric map, a float MR image), not integers.
+    float_pixels: bool = False
 
     @property
     def number_of_frames(self) -> int:
@@ -125,6 +127,9 @@ class StudyIndex:
         return "\n".join(lines) if lines else "  (no DICOM series)"
 
 
+_FLOAT_PIXEL_TAGS = (b"\xe0\x7f\x08\x00", b"\xe0\x7f\x09\x00")  # (7FE0,0008), (7FE0,0009), little endian
+
+
 def is_multiframe_dataset(dataset: Dataset) -> bool:
     """A multi-frame object: several frames, or an Enhanced object (functional groups) with any number."""
     return number_of_frames(dataset) > 1 or any(keyword in dataset for keyword in _FUNCTIONAL_GROUPS)
@@ -157,9 +162,10 @@ def _parse_header(path: Path, stream: BinaryIO, without_preamble: bool = False) 
     dataset.filename = str(path)
     # pydicom leaves the stream at the tag of the element it stopped before.
     position = stream.tell()
-    at_pixel_data = stream.read(4) == b"\xe0\x7f\x10\x00"
+    tag = stream.read(4)
+    at_pixel_data = tag == b"\xe0\x7f\x10\x00"
     return Instance(path=path, dataset=dataset, pixel_data_offset=position if at_pixel_data else None,
-                    without_preamble=without_preamble)
+                    without_preamble=without_preamble, float_pixels=tag in _FLOAT_PIXEL_TAGS)
 
 
 def read_dataset(instance: Instance, **options: Any) -> Dataset:
@@ -224,6 +230,10 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         if _is_other_object(instance):
             # A dose report or presentation state filed in an image series is no slice of it.
             _skip(skipped, path, f"{_sop_class_name(dataset)}, not an image")
+            continue
+        if instance.float_pixels:  # read as a file cut before its pixels, it was refused as truncated
+            _skip(skipped, path, f"{_sop_class_name(dataset)} with floating-point pixel data (Float Pixel Data), "
+                                 "which is not supported; expected integer Pixel Data")
             continue
         if not uid_value(dataset, "SOPInstanceUID"):
             # Every result references its source images by this UID (a SEG cannot be written without it).

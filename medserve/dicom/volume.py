@@ -27,7 +27,7 @@ from pydicom.tag import Tag
 
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
-from medserve.dicom.pixels import check_first_frame_length, check_jpeg_end, read_slices
+from medserve.dicom.pixels import check_first_frame_length, check_jpeg_end, mask_native_frames, read_slices
 from medserve.dicom.values import decimal_values, integer_value, number_of_frames, stored_bytes, uid_value
 from medserve.errors import VolumeError, first_line, on_one_line
 
@@ -499,6 +499,7 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
         except Exception as error:  # pydicom's frame splitting on items that do not add up to the frames
             raise VolumeError(f"{instance.path}: cannot read the encapsulated frames ({first_line(error)})") from error
     atol = _multiframe_atol(dataset, str(instance.path), tolerance)
+    mask_native_frames(dataset)
     try:
         image = hd.Image.from_dataset(dataset, copy=False)
         volume = image.get_volume(dtype=np.float32, apply_real_world_transform=False, apply_presentation_lut=False,

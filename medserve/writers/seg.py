@@ -293,6 +293,8 @@ def _first_source(source: list[Dataset]) -> Dataset:
         changes["SpecificCharacterSet"] = "ISO_IR 192"
     if not _states_slice_thickness(dataset, name) and (spacing := _slice_spacing(source)) is not None:
         changes["SliceThickness"] = spacing
+    if (shared := _shared_geometry(dataset, name)) is not None:
+        changes["SharedFunctionalGroupsSequence"] = shared
     if not changes:
         return dataset
     patched = Dataset()
@@ -304,6 +306,34 @@ def _first_source(source: list[Dataset]) -> Dataset:
     for keyword, value in changes.items():  # new elements: the copy shares the others with the caller's header
         setattr(patched, keyword, value)
     return patched
+
+
+_SHARED_GEOMETRY = ("PixelMeasuresSequence", "PlaneOrientationSequence")
+
+
+def _shared_geometry(dataset: Dataset, name: str) -> list[Dataset] | None:
+    """A multi-frame image's shared functional groups with its pixel measures and plane orientation among them,
+    or None when they are there already. Scanners may keep these in every frame's groups instead (Philips
+    Enhanced MR does); highdicom's SEG reads them from the shared groups only ("'Dataset' object has no
+    attribute 'PixelMeasuresSequence'", "Source images must have a shared orientation", after the inference).
+    The volume was built from the frames' own values, so they are the same in every frame, which is checked."""
+    groups = dataset.get("SharedFunctionalGroupsSequence")
+    frames = dataset.get("PerFrameFunctionalGroupsSequence")
+    if not groups or not frames:
+        return None
+    missing = [keyword for keyword in _SHARED_GEOMETRY if keyword not in groups[0]]
+    if not missing:
+        return None
+    shared = Dataset()
+    for element in groups[0]:
+        shared.add(element)
+    for keyword in missing:
+        values = [frame.get(keyword) for frame in frames]
+        if values[0] is None or any(value != values[0] for value in values[1:]):
+            raise DicomInputError(f"{name}: {keyword} is neither in the shared functional groups nor the same in "
+                                  "every frame's; a DICOM SEG of a multi-frame image needs one for all frames")
+        setattr(shared, keyword, values[0])
+    return [shared]
 
 
 def _check_source_classes(source: list[Dataset]) -> None:
