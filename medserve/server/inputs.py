@@ -20,12 +20,12 @@ from typing import Any
 
 import anyio
 from python_multipart.multipart import parse_options_header
-from starlette.datastructures import FormData, UploadFile
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
 
 from medserve.dicom.index import looks_like_dicom
 from medserve.server.errors import ApiError, header_int, shown
+from medserve.server.multipart import MultipartReader, body_charset
 
 log = logging.getLogger("medserve.server.inputs")
 
@@ -227,15 +227,6 @@ def _part_name(filename: str | None, index: int) -> str:
     return name[:128] or f"part-{index:06d}"
 
 
-async def _save_upload(part: UploadFile, target: Path) -> None:
-    def copy() -> None:
-        part.file.seek(0)
-        with open(target, "wb") as out:
-            shutil.copyfileobj(part.file, out, 1024 * 1024)
-
-    await anyio.to_thread.run_sync(copy)
-
-
 async def json_object(request: Request) -> dict[str, Any]:
     """A JSON body that must be an object ({"upload": ID}, {"study": UID, ...}); 400 bad_json otherwise."""
     try:
@@ -278,50 +269,6 @@ async def _save_body(request: Request, target: Path, max_bytes: int) -> None:
     declared = header_int(request.headers.get("content-length"))
     if declared is not None and declared != size:
         raise ApiError(400, "truncated_body", f"received {size} of {declared} declared bytes")
-
-
-async def _read_form(request: Request, max_bytes: int) -> FormData:
-    """The multipart body's fields and files, refused when it stops before its close delimiter: python-multipart
-    returns the parts it finished, so a body cut between two parts (its Content-Length true to what was sent)
-    would otherwise pass for a whole, smaller study."""
-    _, parameters = parse_options_header(request.headers.get("content-type", ""))
-    delimiter = _CloseDelimiter(parameters.get(b"boundary", b""))
-    body = limited(request, max_bytes)
-
-    async def receive() -> Message:
-        message = await body.receive()
-        delimiter.feed(message.get("body", b""))
-        return message
-
-    try:
-        form = await Request(request.scope, receive).form(max_files=MAX_FORM_FILES, max_fields=100)
-    except ClientDisconnect as error:
-        raise ApiError(400, "truncated_body", "the client disconnected during the upload") from error
-    except ApiError:
-        raise
-    except Exception as error:  # malformed multipart bodies surface as assorted parser errors
-        raise ApiError(400, "bad_multipart", f"cannot parse the multipart body: {error}") from error
-    if not delimiter.seen:
-        await form.close()
-        raise ApiError(400, "truncated_body", "the multipart body ends before its closing boundary "
-                       "('--BOUNDARY--'): it was cut short, and the parts it holds may not be the whole study")
-    return form
-
-
-class _CloseDelimiter:
-    """Watches a multipart body, chunk by chunk, for its close delimiter: CRLF, '--', the boundary, '--'."""
-
-    def __init__(self, boundary: bytes) -> None:
-        self.marker = b"\r\n--" + boundary + b"--"
-        self.seen = False
-        self._tail = b"\r\n"  # a body may open with its close delimiter (no parts)
-
-    def feed(self, chunk: bytes) -> None:
-        if self.seen or not chunk:
-            return
-        window = self._tail + chunk
-        self.seen = self.marker in window
-        self._tail = window[-(len(self.marker) - 1):]
 
 
 def _check_uid(body: dict[str, Any], field: str, level: str) -> None:
@@ -402,40 +349,37 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
             return InputSpec("dicomweb", study=body["study"], series=series), options
         raise ApiError(400, "bad_json", "expected {\"upload\": ID} or {\"study\": UID, \"series\": UID?}")
     if content_type == "multipart/form-data":
-        form = await _read_form(request, max_bytes)
-        try:
-            fields = [(k, v) for k, v in form.multi_items() if isinstance(v, str)]
-            for key, _ in fields:
-                if key not in OPTION_FIELDS:  # a file part without a filename, or a misspelt option
-                    raise ApiError(400, "bad_multipart", f"form field {shown(key)} is not a file part (it has no "
-                                   f"filename) nor one of {', '.join(OPTION_FIELDS)}; send files as file parts: "
-                                   f"curl -F 'files=@PATH'")
-            options = request_options(request, fields)
-            check(options)
-            parts = [v for _, v in form.multi_items() if isinstance(v, UploadFile)]
-            if not parts:
-                raise ApiError(400, "empty_input", "the multipart body holds no files")
-            raw = dest / "parts"
-            raw.mkdir(exist_ok=True)
-            saved: list[Path] = []
-            for index, part in enumerate(parts):
-                name = _part_name(part.filename, index)
-                target, clash = raw / name, 0
-                while target.exists():  # parts with the same name (or one named like a renamed one)
-                    clash += 1
-                    target = raw / f"{index:06d}-{clash}-{name}"
-                await _save_upload(part, target)
-                saved.append(target)
-        finally:
-            await form.close()
-        if len(saved) == 1 and sniff(saved[0]) in ("zip", "nifti"):
-            spec = await anyio.to_thread.run_sync(stage_file, saved[0], dest, max_bytes, True)
+        _, parameters = parse_options_header(request.headers.get("content-type", ""))
+        if not parameters.get(b"boundary"):
+            raise ApiError(400, "bad_multipart", "the multipart Content-Type has no boundary")
+        raw = dest / "parts"
+        raw.mkdir(exist_ok=True)
+        fields: list[tuple[str, str]] = []
+
+        def on_field(key: str, value: str) -> None:
+            if key not in OPTION_FIELDS:  # a file part without a filename, or a misspelt option
+                raise ApiError(400, "bad_multipart", f"form field {shown(key)} is not a file part (it has no "
+                               f"filename) nor one of {', '.join(OPTION_FIELDS)}; send files as file parts: "
+                               "curl -F 'files=@PATH'")
+            fields.append((key, value))
+            if key == "model":  # an unknown model is refused before the study's files are read
+                check(request_options(request, fields))
+
+        reader = MultipartReader(parameters[b"boundary"], body_charset(parameters), raw, _part_name, on_field,
+                                 MAX_FORM_FILES)
+        parts = await reader.read(limited(request, max_bytes).stream())
+        options = request_options(request, fields)
+        check(options)
+        if not parts:
+            raise ApiError(400, "empty_input", "the multipart body holds no files")
+        if len(parts) == 1 and sniff(parts[0].path) in ("zip", "nifti"):
+            spec = await anyio.to_thread.run_sync(stage_file, parts[0].path, dest, max_bytes, True)
             shutil.rmtree(raw)  # extracted, or hard-linked into place
             return spec, options
-        for index, path in enumerate(saved):
-            if sniff(path) != "dicom":
-                name = parts[index].filename or f"part {index}"
-                raise ApiError(400, "not_dicom", f"{name} is not a DICOM file ({NOT_DICOM})")
+        for index, part in enumerate(parts):
+            if sniff(part.path) != "dicom":
+                raise ApiError(400, "not_dicom", f"{part.filename or f'part {index}'} is not a DICOM file "
+                               f"({NOT_DICOM})")
         raw.rename(dest / "dicom")
         return InputSpec("dicom", dest / "dicom"), options
     if content_type in ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",
