@@ -120,6 +120,9 @@ def volume_from_nifti(path: Path) -> hd.Volume:
         if image.get_data_dtype().kind == "c":  # the cast below would drop the imaginary part
             raise NiftiInputError(f"{path}: NIfTI image has complex voxels ({image.get_data_dtype()}); expected "
                                   f"real numbers")
+        if image.get_data_dtype().fields is not None:  # RGB(A): numpy's cast error said only that it cannot
+            raise NiftiInputError(f"{path}: NIfTI image has colour voxels ({', '.join(image.get_data_dtype().names)}"
+                                  "); expected one intensity per voxel")
         array = np.asarray(image.dataobj, dtype=np.float32)
     except NiftiInputError:
         raise
@@ -129,6 +132,8 @@ def volume_from_nifti(path: Path) -> hd.Volume:
                               f"GiB as float32, more than can be allocated here") from error
     except Exception as error:  # nibabel raises ImageFileError, EOFError, zlib errors on damaged files
         raise NiftiInputError(f"{path}: not a readable NIfTI image ({error})") from error
+    if array.ndim > 3 and all(size == 1 for size in array.shape[3:]):  # (x, y, z, 1): one volume of a series
+        array = array.reshape(array.shape[:3])
     if array.ndim != 3:
         raise NiftiInputError(f"{path}: NIfTI image has {array.ndim} dimensions; expected a 3D volume")
     if not np.isfinite(array).all():

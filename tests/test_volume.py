@@ -859,6 +859,21 @@ def test_a_nifti_volume_keeps_its_voxels_and_affine(tmp_path):
     np.testing.assert_allclose(ras_affine(volume), NIFTI_AFFINE)
 
 
+@pytest.mark.parametrize("image_class,shape", [(nib.Nifti2Image, (4, 5, 6)), (nib.Nifti1Image, (4, 5, 6, 1))],
+                         ids=["nifti2", "one-volume-series"])
+def test_nifti2_and_a_single_volume_series_are_read(tmp_path, image_class, shape):
+    """NIfTI-2 was 'neither DICOM, a zip of DICOM nor NIfTI' to the server; (x, y, z, 1) was refused as 4D."""
+    from medserve.server.inputs import sniff
+
+    voxels = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
+    for name in ("ct.nii", "ct.nii.gz"):
+        nib.save(image_class(voxels, NIFTI_AFFINE), tmp_path / name)
+        assert sniff(tmp_path / name) == "nifti"
+        volume = volume_from_nifti(tmp_path / name)
+        np.testing.assert_array_equal(volume.array, voxels.reshape(4, 5, 6).transpose(2, 1, 0))
+        np.testing.assert_allclose(ras_affine(volume), NIFTI_AFFINE)
+
+
 @pytest.mark.parametrize("affine", [np.zeros((4, 4)), np.where(np.eye(4) == 1, np.nan, 0.0),
                                     NIFTI_AFFINE + np.array([[0, 0.5, 0, 0], [0] * 4, [0] * 4, [0] * 4])],
                          ids=["zero", "nan", "sheared"])
@@ -877,7 +892,9 @@ def test_a_nifti_affine_that_is_no_voxel_grid_is_refused_naming_the_file(tmp_pat
     (np.where(np.arange(120).reshape(4, 5, 6) == 7, np.inf, 0.0), "holds NaN or infinite voxels"),
     (np.zeros((4, 5, 6), np.complex64), r"has complex voxels \(complex64\); expected real numbers"),
     (np.zeros((4, 5, 6, 2), np.float32), "has 4 dimensions; expected a 3D volume"),
-], ids=["nan", "inf", "complex", "4d"])
+    (np.zeros((4, 5, 6), [("R", "u1"), ("G", "u1"), ("B", "u1")]),
+     r"has colour voxels \(R, G, B\); expected one intensity per voxel"),  # was numpy's cast error
+], ids=["nan", "inf", "complex", "4d", "rgb"])
 def test_a_nifti_volume_that_is_not_real_finite_3d_is_refused_naming_the_file(tmp_path, voxels, expected):
     nib.save(nib.Nifti1Image(voxels, NIFTI_AFFINE), tmp_path / "odd.nii.gz")
     with pytest.raises(NiftiInputError, match=rf"^{tmp_path / 'odd.nii.gz'}: NIfTI image {expected}"):

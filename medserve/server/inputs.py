@@ -65,7 +65,7 @@ def sniff(path: Path) -> str:
         head = handle.read(352)
     if head[:4] == b"PK\x03\x04" or head[:4] == b"PK\x05\x06":
         return "zip"
-    if len(head) >= 348 and head[344:348] in (b"n+1\x00", b"ni1\x00"):
+    if _is_nifti(head):
         return "nifti"
     if looks_like_dicom(head):  # as the core's index reads it, files without the preamble too
         return "dicom"
@@ -75,9 +75,14 @@ def sniff(path: Path) -> str:
                 inner = handle.read(348)
         except (OSError, EOFError, zlib.error):  # gzip's magic, then no valid deflate stream
             return "unknown"
-        if len(inner) >= 348 and inner[344:348] in (b"n+1\x00", b"ni1\x00"):
+        if _is_nifti(inner):
             return "nifti"
     return "unknown"
+
+
+def _is_nifti(head: bytes) -> bool:
+    """NIfTI-1 ('n+1' at byte 344) or NIfTI-2 ('n+2' and its line-ending check bytes at byte 4)."""
+    return head[344:348] in (b"n+1\x00", b"ni1\x00") or head[4:12] == b"n+2\x00\r\n\x1a\n"
 
 
 def _safe_member(name: str) -> PurePosixPath | None:
