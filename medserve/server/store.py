@@ -68,6 +68,12 @@ def check_model_name(name: Any) -> str:
     return name
 
 
+def _take_metadata(entry: ModelEntry, meta: dict[str, Any]) -> None:
+    """The version and description a listing shows, from the bundle's metadata.json."""
+    entry.version = str(meta.get("version")) if meta.get("version") is not None else None
+    entry.description = meta.get("description") or meta.get("name")
+
+
 def fingerprint(folder: Path) -> Fingerprint:
     """Every file under `folder` (or the file itself, for a descriptor) with its size, mtime, inode and ctime;
     any change during a copy changes this value. Folders linked into the bundle (`models -> /weights`) are
@@ -427,13 +433,13 @@ class ModelStore:
             entry.predictor = None
             self._changed()
             return
-        entry.version = str(meta.get("version")) if meta.get("version") is not None else None
-        entry.description = meta.get("description") or meta.get("name")
         if entry.predictor is not None:
-            # Replacement: the old predictor keeps serving until the new one is ready.
+            # Replacement: the old predictor keeps serving until the new one is ready, and its version is the
+            # one listed (and answered under /v2) until then.
             entry.reloading = True
             self._load_in_background(entry)
             return
+        _take_metadata(entry, meta)
         entry.state, entry.error = "available", None
         if self._wants_eager_load(entry):
             entry.state = "loading"
@@ -534,6 +540,7 @@ class ModelStore:
                     return predictor
                 entry.predictor, entry.loaded_fp, entry.reloading = predictor, current, False
                 entry.state, entry.error = "loaded", None
+                _take_metadata(entry, predictor.layout.metadata)
                 entry.load_seconds = time.monotonic() - start
                 try:
                     entry.memory = int(predictor.memory_bytes())

@@ -434,3 +434,34 @@ def test_the_store_sees_changes_behind_links_and_that_size_and_mtime_miss(tmp_pa
     switched.unlink()
     switched.symlink_to(versions / "v2", target_is_directory=True)
     assert fingerprint(switched) != first
+
+
+def test_a_replaced_bundle_lists_its_new_version_once_the_new_version_serves(make_server,
+                                                                          held_loads: threading.Event) -> None:
+    """The new metadata's version was listed (and answered under /v2) as soon as the files settled, while the
+    old weights still answered during the reload."""
+    import json
+
+    release = held_loads
+    release.set()
+    server = make_server()
+    bundle = add_bundle(server.config.store, "demo")
+    server.store.wait_until("demo", ("loaded",), 60)
+    old = server.store.entry("demo").version
+    release.clear()  # the replacement's load waits
+    metadata = json.loads((bundle / "configs" / "metadata.json").read_text())
+    metadata["version"] = "9.9.9"
+    (bundle / "configs" / "metadata.json").write_text(json.dumps(metadata))
+    deadline = time.monotonic() + 30
+    while not server.store.entry("demo").reloading:
+        assert time.monotonic() < deadline, "the replacement never began to load"
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/v1/models/demo").json()["version"] == old != "9.9.9"
+    assert httpx.get(server.url + "/v2/models/demo").json()["versions"] == [old]
+    release.set()
+    deadline = time.monotonic() + 60
+    while server.store.entry("demo").reloading:
+        assert time.monotonic() < deadline, "the replacement never finished loading"
+        time.sleep(0.1)
+    assert httpx.get(server.url + "/v1/models/demo").json()["version"] == "9.9.9"
+    assert httpx.get(server.url + "/v2/models/demo").json()["versions"] == ["9.9.9"]
