@@ -27,7 +27,7 @@ from medserve.demo.phantom import dice, make_phantom
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import ras_affine, series_to_volume
-from medserve.pipeline import run_study, segmentation_of
+from medserve.pipeline import StudyResult, run_study, segmentation_of
 from medserve.writers.seg import write_seg
 from tests.conftest import APP, DEMO_BUNDLE, REPO, dciodvfy_errors, make_threshold_bundle, run_app
 
@@ -167,6 +167,23 @@ def test_stock_sdk_operators_read_our_selection(tmp_path):
         assert metadata[key] == stock.metadata()[key], key
 
 
+def _enhanced_ct(paths: list[Path]) -> hd.legacy.LegacyConvertedEnhancedCTImage:
+    """One Enhanced CT object of the single-frame slices at `paths` (frames stored as the converter orders them)."""
+    return hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=[pydicom.dcmread(p) for p in paths], series_instance_uid=pydicom.uid.generate_uid(),
+        series_number=4, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+
+
+def _valid_seg_of(enhanced: pydicom.Dataset, tmp_path: Path,
+                  predictor: BundlePredictor) -> tuple[StudyResult, hd.Volume]:
+    """The pipeline on `enhanced` saved alone in tmp_path/multi: its result (a SEG dciodvfy passes) and volume."""
+    (tmp_path / "multi").mkdir()
+    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    result = run_study(tmp_path / "multi", predictor, tmp_path / "out")
+    assert dciodvfy_errors(result.seg_path) == []
+    return result, series_to_volume(select_series(index_folder(tmp_path / "multi"))[0].series)
+
+
 def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_path, threshold_bundle):
     """The pipeline (the server's path; the app's operators call the same functions) on one multi-frame object
     whose frames are stored out of volume order; then the SEG writer operator's other source, an SDK selection."""
@@ -176,15 +193,9 @@ def test_an_enhanced_multiframe_source_gives_a_valid_seg_of_the_label_map(tmp_pa
     from operators.series_selector import as_sdk_selection
 
     written = write_ct_series(make_phantom(shape=(10, 32, 36)).hu, tmp_path / "single", file_order_seed=1)
-    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
-        legacy_datasets=[pydicom.dcmread(p) for p in written.paths], series_instance_uid=pydicom.uid.generate_uid(),
-        series_number=4, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
-    (tmp_path / "multi").mkdir()
-    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    enhanced = _enhanced_ct(written.paths)
     predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
-    result = run_study(tmp_path / "multi", predictor, tmp_path / "out")
-    assert dciodvfy_errors(result.seg_path) == []
-    source = series_to_volume(select_series(index_folder(tmp_path / "multi"))[0].series)
+    result, source = _valid_seg_of(enhanced, tmp_path, predictor)
     label_map = predictor.predict(source)
     assert 0 < np.count_nonzero(label_map) < label_map.size
     seg = hd.seg.segread(result.seg_path)
@@ -215,24 +226,24 @@ def test_an_enhanced_source_with_its_geometry_in_every_frame_gets_its_seg(tmp_pa
     from medserve.writers.seg import _shared_geometry
 
     written = write_ct_series(make_phantom(shape=(6, 24, 28)).hu, tmp_path / "single")
-    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
-        legacy_datasets=[pydicom.dcmread(p) for p in written.paths], series_instance_uid=pydicom.uid.generate_uid(),
-        series_number=4, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    enhanced = _enhanced_ct(written.paths)
     shared = enhanced.SharedFunctionalGroupsSequence[0]
     for frame in enhanced.PerFrameFunctionalGroupsSequence:
         setattr(frame, keyword, copy.deepcopy(shared[keyword].value))
     delattr(shared, keyword)
-    (tmp_path / "multi").mkdir()
-    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
     predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
-    result = run_study(tmp_path / "multi", predictor, tmp_path / "out")
-    assert dciodvfy_errors(result.seg_path) == []
-    source = series_to_volume(select_series(index_folder(tmp_path / "multi"))[0].series)
+    result, source = _valid_seg_of(enhanced, tmp_path, predictor)
     back = hd.seg.segread(result.seg_path).get_volume(combine_segments=True).match_geometry(source)
     np.testing.assert_array_equal(back.array, predictor.predict(source))
     assert keyword not in pydicom.dcmread(tmp_path / "multi" / "enhanced.dcm").SharedFunctionalGroupsSequence[0]
 
     first = enhanced.PerFrameFunctionalGroupsSequence[0]
+    if keyword == "PixelMeasuresSequence":  # rounded differently by the writer: the same spacing
+        first.PixelMeasuresSequence[0].PixelSpacing = [v + 0.0004 for v in first.PixelMeasuresSequence[0].PixelSpacing]
+    else:
+        first.PlaneOrientationSequence[0].ImageOrientationPatient = [
+            v + 0.0004 for v in first.PlaneOrientationSequence[0].ImageOrientationPatient]
+    assert _shared_geometry(enhanced, "enhanced.dcm") is not None
     if keyword == "PixelMeasuresSequence":
         first.PixelMeasuresSequence[0].PixelSpacing = [0.5, 0.5]
     else:

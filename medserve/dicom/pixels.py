@@ -262,19 +262,20 @@ def mask_native_frames(dataset: pydicom.Dataset) -> None:
     """Drop the unused high bits of a native (uncompressed) multi-frame object's frames, in place, sign-extending
     signed values, as `read_slice` does for single-frame slices: highdicom decodes an Enhanced image's frames as
     the bytes are, so 12-bit two's complement values in 16-bit words read as 0..4095 (-1000 HU became 3096), and
-    junk in the high bits read as values. Encapsulated frames are decoded as pydicom decodes them."""
+    junk in the high bits read as values. Encapsulated frames are decoded as pydicom decodes them; big-endian
+    ones highdicom refuses."""
     syntax = dataset.file_meta.get("TransferSyntaxUID")
-    if "PixelData" not in dataset or (syntax is not None and syntax.is_encapsulated):
+    if "PixelData" not in dataset or (syntax is not None and (syntax.is_encapsulated or not syntax.is_little_endian)):
         return
     bits = integer_value(dataset, "BitsAllocated")
     stored = integer_value(dataset, "BitsStored") or bits
     if bits not in (8, 16, 32) or not 0 < stored < bits:
         return
     kind = "i" if integer_value(dataset, "PixelRepresentation") == 1 else "u"
-    data = dataset.PixelData
-    raw = np.frombuffer(data, dtype=f"<{kind}{bits // 8}", count=len(data) // (bits // 8))
-    masked = _mask_stored_bits(PixelFormat(raw.dtype, bits - stored, np.float32(1), np.float32(0)), raw)
-    dataset.PixelData = masked.tobytes() + data[masked.nbytes:]  # an odd padding byte stays
+    data = bytearray(dataset.PixelData)
+    values = np.frombuffer(data, dtype=f"<{kind}{bits // 8}", count=len(data) // (bits // 8))  # a view of `data`
+    values[...] = _mask_stored_bits(PixelFormat(values.dtype, bits - stored, np.float32(1), np.float32(0)), values)
+    dataset.PixelData = bytes(data)  # an odd padding byte stays
 
 
 def _rescale_into(pixel_format: PixelFormat, pixels: np.ndarray, out: np.ndarray) -> None:

@@ -27,10 +27,10 @@ from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
                                     internal_error_handler, shown, validation_error_handler)
-from medserve.server.inputs import InputSpec, json_object, media_type, parse_input, request_options
+from medserve.server.inputs import InputSpec, input_json, media_type, parse_input, request_options
 from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
 from medserve.server.lock import UnusableDataDir, lock_data_dir
-from medserve.server.metrics import UNKNOWN_MODEL, Metrics
+from medserve.server.metrics import Metrics, RequestCount
 from medserve.server.runner import execute_async, pull
 from medserve.server.store import ModelStore, check_model_name
 from medserve.server.uploads import UploadStore
@@ -211,8 +211,6 @@ def create_app(config: ServerConfig) -> FastAPI:
         `{"upload": ID}` / `{"study": UID, "series": UID}`. Returns the SEG (or NIfTI with ?format=nifti)."""
         work = config.tmp_dir / uuid.uuid4().hex
         start = time.monotonic()
-        status = "500"
-        label = UNKNOWN_MODEL  # a name not in the store must not make a metric series of its own
 
         def options_of_this_model(options: dict[str, Any]) -> None:
             requested_format(options)
@@ -220,36 +218,31 @@ def create_app(config: ServerConfig) -> FastAPI:
                 raise ApiError(400, "bad_parameter", f"'model' is given as {shown(options['model'])} beside the "
                                f"model {name!r} this request is sent to; give it once")
 
-        try:
-            store.entry(name)  # unknown or malformed names fail before anything is read
-            label = name
-            spec, options = await parse_input(request, work / "input", config.max_upload_bytes,
-                                              options_of_this_model)
-            fmt = choose_format(request, options, spec)
-            if writeback_option(options):
-                raise ApiError(400, "bad_parameter", "writeback applies to jobs (POST /v1/jobs), which store the SEG "
-                               "back; a sync request returns it")
-            if spec.kind == "dicomweb":
-                spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)
-            outcome = await unless_disconnected(request, execute_async(store, name, spec, work / "out",
-                                                                       nifti=fmt == "nifti"))
-            result = outcome.result
-            path = result.seg_path if fmt == "seg" else result.nifti_path
-            if path is None:  # a MAP's app may write only the SEG
-                raise ApiError(406, "format_unavailable", f"model {name!r} produced no {fmt} output; ask for "
-                               f"{'nifti' if fmt == 'seg' else 'seg'}")
-            status = "200"
-        except ApiError as error:
-            status = str(error.status)
-            raise
-        except MedserveError as error:
-            api = from_core(error, work / "input" / "dicom", work / "input", work)
-            status = str(api.status)
-            raise api from error
-        finally:
-            metrics.requests.labels(label, "v1", status).inc()
-            if status != "200":
-                shutil.rmtree(work, ignore_errors=True)
+        with metrics.counted("v1") as count:
+            try:
+                store.entry(name)  # unknown or malformed names fail before anything is read
+                count.model = name
+                spec, options = await parse_input(request, work / "input", config.max_upload_bytes,
+                                                  options_of_this_model)
+                fmt = choose_format(request, options, spec)
+                if writeback_option(options):
+                    raise ApiError(400, "bad_parameter", "writeback applies to jobs (POST /v1/jobs), which store the "
+                                   "SEG back; a sync request returns it")
+                if spec.kind == "dicomweb":
+                    spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)
+                outcome = await unless_disconnected(request, execute_async(store, name, spec, work / "out",
+                                                                           nifti=fmt == "nifti"))
+                result = outcome.result
+                path = result.seg_path if fmt == "seg" else result.nifti_path
+                if path is None:  # a MAP's app may write only the SEG
+                    raise ApiError(406, "format_unavailable", f"model {name!r} produced no {fmt} output; ask for "
+                                   f"{'nifti' if fmt == 'seg' else 'seg'}")
+                count.status = "200"
+            except MedserveError as error:
+                raise from_core(error, work / "input" / "dicom", work / "input", work) from error
+            finally:
+                if count.status != "200":
+                    shutil.rmtree(work, ignore_errors=True)
         metrics.latency.labels(name, "v1").observe(time.monotonic() - start)
         metrics.queue.labels(name).observe(outcome.queued_s)
         headers = {"X-Medserve-Timings": json.dumps({k: round(v, 4) for k, v in outcome.timings.items()}),
@@ -263,22 +256,12 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/jobs", tags=["jobs"], status_code=202, dependencies=[Depends(require("infer"))])
     async def create_job(request: Request) -> JSONResponse:
         """Async inference: `?model=NAME` (or form/JSON field `model`), same inputs as /infer; 202 + job."""
-        named: dict[str, str] = {}  # the model, once it is known to be in the store (the metric's label)
-        status = "500"
-        try:
-            response = await _create_job(request, named)
-            status = str(response.status_code)
+        with metrics.counted("jobs") as count:
+            response = await _create_job(request, count)
+            count.status = str(response.status_code)
             return response
-        except ApiError as error:
-            status = str(error.status)
-            raise
-        except MedserveError as error:
-            status = str(from_core(error).status)
-            raise
-        finally:
-            metrics.requests.labels(named.get("model", UNKNOWN_MODEL), "jobs", status).inc()
 
-    async def _create_job(request: Request, named_model: dict[str, str]) -> JSONResponse:
+    async def _create_job(request: Request, count: RequestCount) -> JSONResponse:
         key = idempotency_key(request)
         existing = jobs.find_idempotent(key) if key else None
         named = request.query_params.get("model")
@@ -292,7 +275,8 @@ def create_app(config: ServerConfig) -> FastAPI:
             check_model_name(model)
             if existing is None:  # a replay is answered even if its model has left the store since
                 store.entry(model)
-            named_model["model"] = model
+            if existing is None or existing["model"] == model:  # a name known to the store (or once)
+                count.model = model
             requested_format(options)  # a job writes both formats: a wrong one is still a mistake to say
             return model
 
@@ -301,7 +285,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         if existing is not None and media_type(request) == "application/json":
             # A replay of {"upload": ID}: no need to extract that upload again (a big study takes a while), nor for
             # it to exist still. Bodies that carry the study itself are read in full as usual.
-            return _replayed(existing, job_model(request_options(request, (await json_object(request)).items())))
+            return _replayed(existing, job_model(request_options(request, (await input_json(request)).items())))
         job_id = jobs.new_id()
         folder = jobs.job_dir(job_id)
         try:

@@ -26,6 +26,7 @@ log = logging.getLogger("medserve.server.client")
 CHUNK = 8 * 1024 * 1024
 FINAL = ("succeeded", "failed", "cancelled")
 PARTIAL = ".partial"
+UPLOADING = ".uploading"  # a link to a cached zip that a run is uploading from
 UNREACHABLE_PATIENCE = 60.0  # seconds a job's progress is waited for while the server cannot be reached
 ABANDONED_SECONDS = 24 * 3600
 
@@ -116,11 +117,14 @@ def _files_key(study_dir: Path, files: list[Path]) -> str:
 
 
 def _remove_abandoned(folder: Path) -> None:
-    """Zips a killed run left half-written (a day old: another run may be writing a recent one)."""
-    for partial in folder.glob(f"*{PARTIAL}"):
+    """What a killed run left: half-written zips (a day untouched: another run may be writing a recent one),
+    and the links it uploaded through (a day after they were made, their ctime; their mtime is the zip's)."""
+    now = time.time()
+    for leftover in (*folder.glob(f"*{PARTIAL}"), *folder.glob(f"*{UPLOADING}")):
         with contextlib.suppress(OSError):
-            if time.time() - partial.stat().st_mtime > ABANDONED_SECONDS:
-                partial.unlink()
+            st = leftover.stat()
+            if now - (st.st_mtime if leftover.suffix == PARTIAL else st.st_ctime) > ABANDONED_SECONDS:
+                leftover.unlink()
 
 
 def _sha256(path: Path) -> str:
@@ -263,7 +267,7 @@ class Client:
 
         The bytes are read through a link of their own: another run of the same study that finishes meanwhile
         removes the cached zip, and tuspy opens the file again for every chunk."""
-        private = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:8]}{PARTIAL}")
+        private = path.with_name(f"{path.stem}.{uuid.uuid4().hex[:8]}{UPLOADING}")
         try:
             os.link(path, private)
         except FileNotFoundError as error:

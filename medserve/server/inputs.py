@@ -25,14 +25,14 @@ from starlette.types import Message
 
 from medserve.dicom.index import looks_like_dicom
 from medserve.server.errors import ApiError, header_int, shown
-from medserve.server.multipart import MultipartReader, body_charset
+from medserve.server.multipart import FilePart, MultipartReader, body_charset
 
 log = logging.getLogger("medserve.server.inputs")
 
 OPTION_FIELDS = ("format", "writeback", "model")  # in the query string, or fields beside the input
 JSON_INPUT_FIELDS = ("upload", "study", "series", "store")
 MAX_JSON_BYTES = 1024 * 1024  # {"upload": ID} / {"study", "series"} references are a few hundred bytes
-MAX_FORM_FILES = 100_000  # Starlette's default of 1000 is below the slice count of many CT series
+MAX_FORM_FILES = 100_000  # files in one multipart body: many CT series have over 1,000 slices
 UID_RE = re.compile(r"[0-9]+(\.[0-9]+)*")  # DICOM UIDs: digits and dots, at most 64 characters (PS3.5 9.1)
 
 
@@ -225,11 +225,43 @@ def _place(src: Path, dst: Path, link: bool) -> None:
     shutil.copyfile(src, dst)
 
 
+def _stage_parts(parts: list[FilePart], raw: Path, dest: Path, max_bytes: int) -> InputSpec:
+    """The saved file parts as the input: one zip or NIfTI file staged as such, else DICOM files, every one."""
+    if len(parts) == 1 and sniff(parts[0].path) in ("zip", "nifti"):
+        spec = stage_file(parts[0].path, dest, max_bytes, True)
+        shutil.rmtree(raw)  # extracted, or hard-linked into place
+        return spec
+    for index, part in enumerate(parts):
+        if sniff(part.path) != "dicom":
+            raise ApiError(400, "not_dicom", f"{part.filename or f'part {index}'} is not a DICOM file ({NOT_DICOM})")
+    raw.rename(dest / "dicom")
+    return InputSpec("dicom", dest / "dicom")
+
+
 def _part_name(filename: str | None, index: int) -> str:
     """A file name for a received part: the client's own (its last component, in safe characters), so that
     errors about the file name it as the client does."""
     name = re.sub(r"[^A-Za-z0-9._-]", "_", PurePosixPath((filename or "").replace("\\", "/")).name).lstrip(".")
     return name[:128] or f"part-{index:06d}"
+
+
+def _check_encoding(request: Request) -> None:
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # read as is, a gzip-encoded body fails later, and misleadingly
+        raise ApiError(415, "unsupported_media_type", f"Content-Encoding {shown(encoding)} is not supported; send "
+                       "the body unencoded (a zip or .nii.gz is compressed already)")
+
+
+async def input_json(request: Request) -> dict[str, Any]:
+    """A JSON input body: `upload` or `study`/`series`/`store`, and options; any other field is refused (a
+    misspelt option would otherwise be dropped without a word)."""
+    _check_encoding(request)
+    body = await json_object(request)
+    unknown = sorted(set(body) - set(OPTION_FIELDS) - set(JSON_INPUT_FIELDS))
+    if unknown:
+        raise ApiError(400, "bad_json", f"unknown field(s) {', '.join(shown(k) for k in unknown)}; expected "
+                       f"{', '.join(JSON_INPUT_FIELDS + OPTION_FIELDS)}")
+    return body
 
 
 async def json_object(request: Request) -> dict[str, Any]:
@@ -292,15 +324,18 @@ def request_options(request: Request, body_fields: Iterable[tuple[str, Any]] = (
     for key, value in (*request.query_params.multi_items(), *body_fields):
         if key not in OPTION_FIELDS:
             continue
-        if key in options and _comparable(options[key]) != _comparable(value):
+        if key in options and _comparable(key, options[key]) != _comparable(key, value):
             raise ApiError(400, "bad_parameter", f"{key!r} is given more than once, as {shown(options[key])} and "
                            f"{shown(value)}; give it once")
         options[key] = value
     return options
 
 
-def _comparable(value: Any) -> Any:
-    """An option's value as given twice may be spelled two ways: `?writeback=true` and JSON `true` agree."""
+def _comparable(key: str, value: Any) -> Any:
+    """`writeback` given twice may be spelled two ways: `?writeback=true` and JSON `true` agree. Names and formats
+    are compared as given."""
+    if key != "writeback":
+        return value
     if isinstance(value, bool):
         return str(value).lower()
     return value.strip().lower() if isinstance(value, str) else value
@@ -317,19 +352,12 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     model). `check(options)` runs as soon as the options are known, before the study is stored or extracted,
     and may raise to refuse the request (an unknown model) without that work."""
     check = check or (lambda options: None)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):  # read as is, a gzip-encoded body fails later, and misleadingly
-        raise ApiError(415, "unsupported_media_type", f"Content-Encoding {shown(encoding)} is not supported; send "
-                       "the body unencoded (a zip or .nii.gz is compressed already)")
+    _check_encoding(request)
     dest.mkdir(parents=True, exist_ok=True)
     content_type = media_type(request)
     uploads = request.app.state.uploads
     if content_type == "application/json":
-        body = await json_object(request)
-        unknown = sorted(set(body) - set(OPTION_FIELDS) - set(JSON_INPUT_FIELDS))
-        if unknown:  # a misspelt option would otherwise be dropped without a word
-            raise ApiError(400, "bad_json", f"unknown field(s) {', '.join(shown(k) for k in unknown)}; expected "
-                           f"{', '.join(JSON_INPUT_FIELDS + OPTION_FIELDS)}")
+        body = await input_json(request)
         options = request_options(request, body.items())
         check(options)
         if "upload" in body:
@@ -377,16 +405,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
         check(options)
         if not parts:
             raise ApiError(400, "empty_input", "the multipart body holds no files")
-        if len(parts) == 1 and sniff(parts[0].path) in ("zip", "nifti"):
-            spec = await anyio.to_thread.run_sync(stage_file, parts[0].path, dest, max_bytes, True)
-            shutil.rmtree(raw)  # extracted, or hard-linked into place
-            return spec, options
-        for index, part in enumerate(parts):
-            if sniff(part.path) != "dicom":
-                raise ApiError(400, "not_dicom", f"{part.filename or f'part {index}'} is not a DICOM file "
-                               f"({NOT_DICOM})")
-        raw.rename(dest / "dicom")
-        return InputSpec("dicom", dest / "dicom"), options
+        return await anyio.to_thread.run_sync(_stage_parts, parts, raw, dest, max_bytes), options
     if content_type in ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",
                         "application/x-nifti"):
         options = request_options(request)

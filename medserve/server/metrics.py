@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from medserve.errors import MedserveError
+from medserve.server.errors import ApiError, from_core
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
@@ -35,6 +39,15 @@ class _LiveCollector(Collector):
 UNKNOWN_MODEL = ""  # the label of requests naming no model in the store: one series, however many names are tried
 
 
+class RequestCount:
+    """One request's line in medserve_requests: the model, UNKNOWN_MODEL until its name is found in the store,
+    and the status, 500 until the handler sets its own or an error gives one."""
+
+    def __init__(self) -> None:
+        self.model = UNKNOWN_MODEL
+        self.status = "500"
+
+
 class Metrics:
     """One registry per app, so that several apps in one process (tests) do not collide."""
 
@@ -60,6 +73,21 @@ class Metrics:
         for e in entries:
             if e.predictor is not None:
                 self.model_memory.labels(e.name).set(e.memory)
+
+    @contextlib.contextmanager
+    def counted(self, endpoint: str) -> Iterator[RequestCount]:
+        """Count the request the block answers, errors included, once."""
+        count = RequestCount()
+        try:
+            yield count
+        except ApiError as error:
+            count.status = str(error.status)
+            raise
+        except MedserveError as error:
+            count.status = str(from_core(error).status)
+            raise
+        finally:
+            self.requests.labels(count.model, endpoint, count.status).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -22,9 +22,8 @@ from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
 from medserve.errors import MedserveError
-from medserve.server.errors import ApiError, from_core, header_int
+from medserve.server.errors import ApiError, header_int
 from medserve.server.inputs import limited
-from medserve.server.metrics import UNKNOWN_MODEL
 
 log = logging.getLogger("medserve.server.oip")
 
@@ -240,12 +239,10 @@ def _binary_output(req: dict[str, Any]) -> bool:
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     app_state = request.app.state
-    label = UNKNOWN_MODEL  # until the name is found in the store: one metric series for every unknown name
-    status = "500"
     start = time.monotonic()
-    try:
+    with app_state.metrics.counted("v2") as count:
         _versioned_entry(request, name, version)
-        label = name
+        count.model = name
         body = await limited(request, app_state.config.max_upload_bytes).body()
         req, binary = _parse_request(request.headers, body)
         array = _tensor(req["inputs"][0], binary)
@@ -273,15 +270,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
             log.exception("v2 inference failed")
             raise ApiError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
         response = _response(name, app_state.store.entry(name).version, req, output, want_binary)
-        status = "200"
-    except ApiError as error:
-        status = str(error.status)
-        raise
-    except MedserveError as error:
-        status = str(from_core(error).status)
-        raise
-    finally:
-        app_state.metrics.requests.labels(label, "v2", status).inc()
+        count.status = "200"
     app_state.metrics.latency.labels(name, "v2").observe(time.monotonic() - start)
     return response
 

@@ -75,13 +75,14 @@ def _take_metadata(entry: ModelEntry, meta: dict[str, Any]) -> None:
 
 
 def fingerprint(folder: Path) -> Fingerprint:
-    """Every file under `folder` (or the file itself, for a descriptor) with its size, mtime, inode and ctime;
+    """Every file under `folder` (or the file itself, for a descriptor) with its size, mtime, inode and mode;
     any change during a copy changes this value. Folders linked into the bundle (`models -> /weights`) are
     walked too. Size and mtime alone missed a bundle switched by `ln -sfn` between two versions whose files
-    have the same sizes and mtimes (reproducible archives), and a permission fixed by chmod; the inode tells
-    the files apart, and the ctime moves with any change to a file and cannot be set back."""
+    have the same sizes and mtimes (reproducible archives), and a permission fixed by chmod. Not the ctime:
+    backups that hard-link the store (`cp -al`), chown runs and relabelling change it too, and every model
+    would reload (twice its memory meanwhile) for nothing."""
     def stamp(name: str, st: os.stat_result) -> tuple[str, int, int, int, int]:
-        return name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns
+        return name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_mode
 
     if folder.is_file():
         try:

@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import highdicom as hd
 import highdicom._standard_utils as hd_standard_utils
@@ -329,11 +330,30 @@ def _shared_geometry(dataset: Dataset, name: str) -> list[Dataset] | None:
         shared.add(element)
     for keyword in missing:
         values = [frame.get(keyword) for frame in frames]
-        if values[0] is None or any(value != values[0] for value in values[1:]):
+        numbers = [_geometry_numbers(value) for value in values]
+        if numbers[0] is None or any(n is None or n.shape != numbers[0].shape
+                                     or not np.allclose(n, numbers[0], rtol=0, atol=_GEOMETRY_ATOL)
+                                     for n in numbers[1:]):
             raise DicomInputError(f"{name}: {keyword} is neither in the shared functional groups nor the same in "
                                   "every frame's; a DICOM SEG of a multi-frame image needs one for all frames")
         setattr(shared, keyword, values[0])
     return [shared]
+
+
+_GEOMETRY_ATOL = 0.002  # as the volume's own check of orientations (3-decimal cosines pass); spacings in mm
+_GEOMETRY_KEYWORDS = ("ImageOrientationPatient", "PixelSpacing", "SliceThickness", "SpacingBetweenSlices")
+
+
+def _geometry_numbers(value: Any) -> np.ndarray | None:
+    """A frame's pixel measures or plane orientation item as numbers (orientation cosines, spacings), compared
+    with a tolerance: writers round per frame, and the volume was built with one."""
+    if not value:
+        return None
+    try:
+        return np.array([number for keyword in _GEOMETRY_KEYWORDS
+                         for number in (decimal_values(value[0], keyword) or ())], dtype=np.float64)
+    except ValueError:
+        return None
 
 
 def _check_source_classes(source: list[Dataset]) -> None:

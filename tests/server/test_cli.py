@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pydicom
 import pytest
@@ -324,20 +325,14 @@ def test_the_client_cache_is_checked_and_an_empty_setting_is_unset(tmp_path: Pat
     assert cache_dir() == tmp_path / "home" / ".cache" / "medserve"
 
 
-@pytest.mark.parametrize(("status", "body", "expected"), [
-    (404, b"<html>\n<body>\n<h1>Not Found</h1>\n" + b"<p>padding</p>\n" * 200 + b"</body></html>",
-     "server answered 404: <html> <body> <h1>Not Found</h1> <p>padding</p>"),
-    (400, b"[1, 2]", "server answered 400: [1, 2]"),  # JSON, but not medserve's shape: was an AttributeError
-    (200, b"plain text", "answered 200 with no JSON (text/html); is http://127.0.0.1:"),  # was a JSONDecodeError
-])
-def test_a_server_that_is_not_medserve_is_one_short_error_line(status: int, body: bytes, expected: str) -> None:
+def _answering_server(status: int, body: bytes, content_type: str, port: int = 0) -> Any:
+    """An HTTP server on 127.0.0.1 that answers every GET with `body` (not started: call serve_forever)."""
     import http.server
-    import threading
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.send_response(status)
-            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -345,7 +340,19 @@ def test_a_server_that_is_not_medserve_is_one_short_error_line(status: int, body
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+
+
+@pytest.mark.parametrize(("status", "body", "expected"), [
+    (404, b"<html>\n<body>\n<h1>Not Found</h1>\n" + b"<p>padding</p>\n" * 200 + b"</body></html>",
+     "server answered 404: <html> <body> <h1>Not Found</h1> <p>padding</p>"),
+    (400, b"[1, 2]", "server answered 400: [1, 2]"),  # JSON, but not medserve's shape: was an AttributeError
+    (200, b"plain text", "answered 200 with no JSON (text/html); is http://127.0.0.1:"),  # was a JSONDecodeError
+])
+def test_a_server_that_is_not_medserve_is_one_short_error_line(status: int, body: bytes, expected: str) -> None:
+    import threading
+
+    server = _answering_server(status, body, "text/html")
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         proc = _cli("models", "--url", f"http://127.0.0.1:{server.server_address[1]}", env=dict(os.environ))
@@ -494,7 +501,6 @@ def test_client_commands_end_on_sigterm_as_on_ctrl_c(tmp_path: Path, signal_name
 def test_waiting_for_a_job_outlasts_a_server_restart(tmp_path: Path) -> None:
     """One poll that found the server down (restarting: it keeps its jobs) ended `medserve infer` with 'cannot
     reach'; the wait now goes on while the server is back within a minute."""
-    import http.server
     import json
     import threading
     import time
@@ -505,23 +511,11 @@ def test_waiting_for_a_job_outlasts_a_server_restart(tmp_path: Path) -> None:
     port = free_port()
     job = {"id": "a" * 32, "state": "succeeded", "progress": 1.0}
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body = json.dumps(job).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
     servers = []
 
     def start_later() -> None:
         time.sleep(3)
-        servers.append(http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler))
+        servers.append(_answering_server(200, json.dumps(job).encode(), "application/json", port))
         servers[0].serve_forever()
 
     threading.Thread(target=start_later, daemon=True).start()
@@ -559,3 +553,24 @@ def test_the_servers_log_is_one_json_object_per_line_uvicorns_lines_too(tmp_path
         entries.append(json.loads(line))  # every other line an object
     assert any(entry["logger"].startswith("uvicorn") and "Invalid HTTP request" in entry["msg"]
                for entry in entries), lines
+
+
+def test_an_upload_goes_on_when_a_parallel_run_removes_the_cached_zip(thr_server, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    """Two runs of one study share its cached zip, and the first to finish removes it: tuspy opens the file again
+    for every chunk, so the other run's next chunk failed (ValueError: invalid file). It reads through a link of
+    its own, removed when it ends."""
+    from medserve.server.client import CHUNK, Client
+
+    monkeypatch.setenv("MEDSERVE_CACHE", str(tmp_path / "cache"))
+    archive = tmp_path / "cache" / "zips" / "study.zip"
+    archive.parent.mkdir(parents=True)
+    content = os.urandom(2 * CHUNK + 1000)
+    archive.write_bytes(content)
+
+    def remove_the_zip(done: int, total: int) -> None:
+        archive.unlink(missing_ok=True)  # the other run finished meanwhile
+
+    upload_id = Client(thr_server.url).upload(archive, remove_the_zip)
+    assert (thr_server.config.uploads_dir / f"{upload_id}.bin").read_bytes() == content
+    assert list(archive.parent.iterdir()) == []  # its link is gone too

@@ -67,10 +67,12 @@ def test_a_large_body_is_written_part_by_part_with_bounded_memory_and_files(tmp_
 
 def test_a_body_without_its_close_delimiter_is_refused_and_its_files_closed(tmp_path: Path) -> None:
     reader = _reader(tmp_path, [])
+    opened_before = sorted(os.listdir("/proc/self/fd"))
     with pytest.raises(ApiError) as refused:
         asyncio.run(reader.read(_body(3, close=False)))
     assert refused.value.code == "truncated_body"
-    assert not reader._open
+    assert sorted(os.listdir("/proc/self/fd")) == opened_before  # the part cut short was closed too
+    assert (tmp_path / "IM00002.dcm").stat().st_size > 0
 
 
 def test_a_field_refused_as_it_ends_stops_the_read(tmp_path: Path) -> None:

@@ -419,6 +419,8 @@ def test_the_store_sees_changes_behind_links_and_that_size_and_mtime_miss(tmp_pa
     assert "models/model.pt" in names and not any(name.startswith("models/loop/") for name in names), names
     (weights / "loop").unlink()
     before = fingerprint(bundle)
+    os.link(weights / "model.pt", tmp_path / "backup-of-model.pt")  # a backup hard-linking the store
+    assert fingerprint(bundle) == before
     (weights / "model.pt").chmod(0o600)
     assert fingerprint(bundle) != before
 
