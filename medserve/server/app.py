@@ -11,6 +11,7 @@ import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -79,6 +80,13 @@ def writeback_option(options: dict[str, Any]) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     raise ApiError(400, "bad_parameter", f"writeback {value!r}: expected true or false")
+
+
+async def remove_folder(folder: Path) -> None:
+    """A request's folder removed off the event loop (100,000 parts took 0.9 s, every other request waiting),
+    shielded: it runs on the way out of a cancelled request too."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(shutil.rmtree, folder, True)
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -242,7 +250,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 raise from_core(error, work / "input" / "dicom", work / "input", work) from error
             finally:
                 if count.status != "200":
-                    shutil.rmtree(work, ignore_errors=True)
+                    await remove_folder(work)
         metrics.latency.labels(name, "v1").observe(time.monotonic() - start)
         metrics.queue.labels(name).observe(outcome.queued_s)
         headers = {"X-Medserve-Timings": json.dumps({k: round(v, 4) for k, v in outcome.timings.items()}),
@@ -292,7 +300,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             spec, options = await parse_input(request, folder / "input", config.max_upload_bytes, job_model)
             model = job_model(options)
             if existing is not None:
-                shutil.rmtree(folder, ignore_errors=True)
+                await remove_folder(folder)
                 return _replayed(existing, model)
             writeback = writeback_option(options)
             if writeback and spec.kind != "dicomweb":
@@ -302,7 +310,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             except IdempotencyKeyTaken as taken:  # the same key's other request won the race: answer as a replay
                 return _replayed(taken.job, model)
         except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
+            await remove_folder(folder)
             raise
         return JSONResponse(job, 202, headers={"Location": f"/v1/jobs/{job_id}"})
 

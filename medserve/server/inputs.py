@@ -3,6 +3,7 @@ or a DICOMweb reference. Every input is streamed to a folder of its own; nothing
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gzip
 import logging
@@ -26,6 +27,7 @@ from starlette.types import Message
 from medserve.dicom.index import looks_like_dicom
 from medserve.server.errors import ApiError, header_int, shown
 from medserve.server.multipart import FilePart, MultipartReader, body_charset
+from medserve.server.streams import body_chunks, stalled
 
 log = logging.getLogger("medserve.server.inputs")
 
@@ -296,13 +298,17 @@ def limited(request: Request, max_bytes: int) -> Request:
 
 async def _save_body(request: Request, target: Path, max_bytes: int) -> None:
     size = 0
+    idle_seconds = request.app.state.config.upload_idle_seconds
     try:
         with open(target, "wb") as out:
-            async for chunk in limited(request, max_bytes).stream():
-                size += len(chunk)
-                await anyio.to_thread.run_sync(out.write, chunk)
+            async with contextlib.aclosing(body_chunks(limited(request, max_bytes), idle_seconds)) as chunks:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    await anyio.to_thread.run_sync(out.write, chunk)
     except ClientDisconnect as error:
         raise ApiError(400, "truncated_body", "the client disconnected before the body was complete") from error
+    except TimeoutError as error:
+        raise stalled(idle_seconds) from error
     declared = header_int(request.headers.get("content-length"))
     if declared is not None and declared != size:
         raise ApiError(400, "truncated_body", f"received {size} of {declared} declared bytes")
@@ -400,7 +406,11 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
 
         reader = MultipartReader(parameters[b"boundary"], body_charset(parameters), raw, _part_name, on_field,
                                  MAX_FORM_FILES)
-        parts = await reader.read(limited(request, max_bytes).stream())
+        idle_seconds = request.app.state.config.upload_idle_seconds
+        try:
+            parts = await reader.read(body_chunks(limited(request, max_bytes), idle_seconds))
+        except TimeoutError as error:
+            raise stalled(idle_seconds) from error
         options = request_options(request, fields)
         check(options)
         if not parts:

@@ -8,6 +8,7 @@ slices as that many open files)."""
 from __future__ import annotations
 
 import codecs
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,18 +66,23 @@ class MultipartReader:
         self._pending_bytes = 0
         self._finished: list[_Part] = []  # file parts whose data has all been handed over
         self._open: list[_Part] = []
-        self.parser = MultipartParser(boundary, {
-            "on_part_begin": self._begin, "on_header_field": self._header_name, "on_header_value": self._header_value,
-            "on_header_end": self._header_end, "on_headers_finished": self._headers_finished,
-            "on_part_data": self._data, "on_part_end": self._end, "on_end": self._body_end})
+        self.boundary = boundary
 
     async def read(self, stream: AsyncIterator[bytes]) -> list[FilePart]:
+        """Read `stream` (closed when done); the file parts saved. A TimeoutError or ClientDisconnect of the stream
+        is raised as it is."""
         try:
-            async for chunk in stream:
-                self.parser.write(chunk)
-                if self._pending_bytes >= _WRITE_BATCH or len(self._finished) >= _FILES_PER_BATCH:
-                    await anyio.to_thread.run_sync(self._flush)
-            self.parser.finalize()
+            parser = MultipartParser(self.boundary, {  # FormParserError for a boundary over 256 bytes
+                "on_part_begin": self._begin, "on_header_field": self._header_name,
+                "on_header_value": self._header_value, "on_header_end": self._header_end,
+                "on_headers_finished": self._headers_finished, "on_part_data": self._data, "on_part_end": self._end,
+                "on_end": self._body_end})
+            async with contextlib.aclosing(stream) as chunks:  # type: ignore[type-var]
+                async for chunk in chunks:
+                    parser.write(chunk)
+                    if self._pending_bytes >= _WRITE_BATCH or len(self._finished) >= _FILES_PER_BATCH:
+                        await anyio.to_thread.run_sync(self._flush)
+            parser.finalize()
             await anyio.to_thread.run_sync(self._flush)
         except ClientDisconnect as error:
             raise ApiError(400, "truncated_body", "the client disconnected during the upload") from error

@@ -34,6 +34,7 @@ from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
 from medserve.server.errors import ApiError, header_int, shown
+from medserve.server.streams import body_chunks
 
 log = logging.getLogger("medserve.server.uploads")
 
@@ -358,8 +359,7 @@ async def patch(request: Request, upload_id: str) -> Response:
 class Body:
     """A PATCH's body as it arrives, to be written at the upload's `offset` without going past its declared
     `length`. `ended` says how it ended: "complete", "disconnected" (the client went away) or "stalled" (no bytes
-    for `idle_seconds`: a link dropped without a word, which uvicorn, having no body read timeout, would wait on
-    for ever while the upload stays locked)."""
+    for `idle_seconds`, see `medserve.server.streams`: the upload stayed locked for ever)."""
 
     def __init__(self, request: Request, offset: int, length: int, idle_seconds: float) -> None:
         self.request = request
@@ -369,23 +369,14 @@ class Body:
         self.ended = "complete"
 
     async def chunks(self) -> Any:
-        stream = self.request.stream()
         try:
-            while True:
-                try:
-                    async with asyncio.timeout(self.idle_seconds):  # no task per chunk, as wait_for would make
-                        chunk = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except ClientDisconnect:
-                    self.ended = "disconnected"
-                    return
-                except TimeoutError:
-                    self.ended = "stalled"
-                    return
-                yield chunk
-        finally:
-            await stream.aclose()
+            async with contextlib.aclosing(body_chunks(self.request, self.idle_seconds)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except ClientDisconnect:
+            self.ended = "disconnected"
+        except TimeoutError:
+            self.ended = "stalled"
 
 
 async def _receive(body: Body, path: Path) -> int:

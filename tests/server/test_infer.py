@@ -548,6 +548,39 @@ def test_metrics_count_every_request_with_bounded_labels(thr_server) -> None:
     assert "nope" not in metrics
 
 
+@pytest.mark.parametrize("kind", ["multipart", "zip"])
+def test_a_body_that_stops_arriving_is_given_up_and_its_files_removed(make_server, tmp_path: Path, kind) -> None:
+    """uvicorn has no body read timeout: a client whose link dropped without a word held its request, its
+    folder of parts and an open file until the server stopped."""
+    server = with_thr(make_server(upload_idle_seconds=1.0))
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    if kind == "multipart":
+        body, content_type = _multipart(sorted(study.iterdir())), "multipart/form-data; boundary=XYZ"
+    else:
+        body, content_type = _zip(study), "application/zip"
+    head = (f"POST /v1/models/thr/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.config.port), timeout=30) as conn:
+        conn.sendall(head + body[:len(body) // 2])  # and then nothing, the connection left open
+        answer = b""
+        while data := conn.recv(65536):  # the whole answer: the server closes the connection after it
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 408") and b'"error":"body_stalled"' in answer, answer
+    assert b"connection: close" in answer.lower(), answer
+    deadline = time.monotonic() + 10
+    while list(server.config.tmp_dir.iterdir()):
+        assert time.monotonic() < deadline, list(server.config.tmp_dir.iterdir())
+        time.sleep(0.1)
+
+
+def test_a_multipart_boundary_over_256_bytes_is_the_clients_error(thr_server, tmp_path: Path) -> None:
+    study = small_study(tmp_path / "study", size=16, slices=4)
+    boundary = b"B" * 257
+    r = httpx.post(thr_server.url + "/v1/models/thr/infer", content=_multipart(sorted(study.iterdir()), boundary),
+                   headers={"Content-Type": "multipart/form-data; boundary=" + boundary.decode()})
+    assert r.status_code == 400 and r.json()["error"] == "bad_multipart", r.text  # was a 500
+
+
 def _multipart(paths: list[Path], boundary: bytes = b"XYZ") -> bytes:
     parts = [b"--" + boundary + b"\r\nContent-Disposition: form-data; name=\"files\"; filename=\"" + p.name.encode()
              + b"\"\r\nContent-Type: application/dicom\r\n\r\n" + p.read_bytes() + b"\r\n" for p in paths]
