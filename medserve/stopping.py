@@ -27,16 +27,18 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+# SIGHUP (a closed terminal, a dropped SSH session) too: Holoscan installs a C handler that ignores it, so a run
+# went on to its end, its output written for no one.
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
 
 
 def block_stop_signals() -> None:
-    """Block SIGINT and SIGTERM in this thread and every thread it starts from now on."""
+    """Block SIGINT, SIGTERM and SIGHUP in this thread and every thread it starts from now on."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
 
 
 def watch_stop_signals(clean_up: Callable[[signal.Signals], None]) -> bool:
-    """On the first SIGINT or SIGTERM, run `clean_up(signal)` in a watcher thread, then end the process with status
+    """On the first SIGINT, SIGTERM or SIGHUP, run `clean_up(signal)` in a watcher thread, then end the process with status
     128 + its number. Does nothing, and returns False, unless `block_stop_signals()` ran first in this thread (an
     app's main() called from a test or another program keeps Python's own KeyboardInterrupt)."""
     if not STOP_SIGNALS <= signal.pthread_sigmask(signal.SIG_BLOCK, []):

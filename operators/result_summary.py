@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import time
 
 from monai.deploy.core import Fragment, OperatorSpec
 
+from medserve.errors import one_line
 from medserve.pipeline import segment_counts, summary_line
 from medserve.writers.labels import label_array
 from operators.failures import RunEndingOperator, reports_failures
+
+log = logging.getLogger("medserve.app")
 
 
 class ResultSummaryOperator(RunEndingOperator):
@@ -40,4 +46,9 @@ class ResultSummaryOperator(RunEndingOperator):
         if self.nifti:
             paths.append(op_input.receive("nifti_path"))
         summary = summary_line(counts, time.perf_counter() - self.started)
-        print(f"wrote {', '.join(str(p) for p in paths)}\n{summary}", flush=True)
+        try:
+            print(f"wrote {one_line(', '.join(str(p) for p in paths))}\n{summary}", flush=True)
+        except OSError as error:  # stdout closed (a pipe's reader gone) or full: the results are complete
+            log.warning("the summary could not be printed (%s); the results are written", error)
+            # Python would otherwise fail again flushing stdout at exit (and exit 120).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -468,8 +468,9 @@ def interrupt_when_stalled(command: list[str], stalled: Path, sent: signal.Signa
     return process.returncode, stderr
 
 
-@pytest.mark.parametrize("sent,entry", [(signal.SIGINT, APP), (signal.SIGTERM, APP), (signal.SIGINT, APP.parent)],
-                         ids=["ctrl-c", "sigterm", "ctrl-c-app-folder"])
+@pytest.mark.parametrize("sent,entry", [(signal.SIGINT, APP), (signal.SIGTERM, APP), (signal.SIGHUP, APP),
+                                        (signal.SIGINT, APP.parent)],
+                         ids=["ctrl-c", "sigterm", "sighup", "ctrl-c-app-folder"])
 def test_an_interrupted_inference_exits_128_plus_the_signal_leaving_no_output_folder(tmp_path, demo_study, sent,
                                                                                       entry):
     stalled = tmp_path / "inferring"
@@ -518,6 +519,28 @@ def test_an_interrupt_after_the_results_were_written_removes_them(tmp_path, demo
     assert status == 130, stderr
     assert stderr.splitlines()[-1] == "error: interrupted by SIGINT; this run's outputs were removed", stderr
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_a_failing_run_removes_its_own_results_not_those_another_run_finished_meanwhile(tmp_path, demo_study):
+    """Two runs into one folder: the one that failed removed the fixed names seg.dcm and labels.nii.gz, the other
+    run's complete results (after that one had printed 'wrote ...'), and the folder."""
+    out = tmp_path / "out"
+    command = broken_app_command(tmp_path, demo_study[0], "operators.result_summary", "summary_line", "stall", out)
+    failing = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "STALLED": str(tmp_path / "summarizing")})
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "summarizing").exists() and failing.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        other = run_app("-i", demo_study[0], "-o", out, "-m", DEMO_BUNDLE, "--device", "cpu")
+        assert other.returncode == 0, other.stderr
+        failing.send_signal(signal.SIGINT)
+        _, stderr = failing.communicate(timeout=30)
+    finally:
+        failing.kill()
+    assert failing.returncode == 130, stderr
+    assert sorted(p.name for p in out.iterdir()) == ["labels.nii.gz", "seg.dcm"]
+    assert hd.seg.segread(out / "seg.dcm").SOPInstanceUID  # the other run's, whole
 
 
 def test_an_output_folder_we_cannot_write_to_is_refused_before_the_run(tmp_path, demo_study, monkeypatch, capsys):
@@ -591,6 +614,46 @@ def test_an_empty_path_flag_is_refused_and_touches_nothing(tmp_path, demo_study,
     assert completed.stderr.splitlines()[-1].endswith(": empty path; expected a folder"), completed.stderr
     assert (tmp_path / "seg.dcm").read_text() == "the user's own file"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["long -o", "long -i", "long --rules", "blank HOLOSCAN_OUTPUT_PATH"])
+def test_paths_that_cannot_even_be_looked_at_are_one_line_exit_2(tmp_path, demo_study, case):
+    """A name too long for the file system (and a folder we may not search) made Path.exists() raise: a bare
+    traceback, exit 1, the output folder left; a blank HOLOSCAN_OUTPUT_PATH was an internal error."""
+    long = "a" * 300
+    paths = {"-i": str(demo_study[0]), "-o": str(tmp_path / "out"), "-m": str(DEMO_BUNDLE)}
+    extra: list[str] = []
+    env = dict(os.environ)
+    expected = {"long -o": "output folder", "long -i": "input folder", "long --rules": "selection rules file",
+                "blank HOLOSCAN_OUTPUT_PATH": "no output path"}[case]
+    if case == "long -o":
+        paths["-o"] = str(tmp_path / long)
+    elif case == "long -i":
+        paths["-i"] = str(tmp_path / long)
+    elif case == "long --rules":
+        extra = ["--rules", str(tmp_path / f"{long}.json")]
+    else:
+        del paths["-o"]
+        env["HOLOSCAN_OUTPUT_PATH"] = " "
+    command = f"cd '{tmp_path}' && ulimit -s 32768; exec {sys.executable} {APP} " + " ".join(
+        f"{name} '{value}'" for name, value in [*paths.items(), *zip(extra[::2], extra[1::2])])
+    completed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120, env=env)
+    assert completed.returncode == 2, completed.stderr
+    assert "Traceback" not in completed.stderr
+    assert completed.stderr.splitlines()[-1].startswith(f"error: {expected}"), completed.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_closed_stdout_leaves_the_results_complete_and_the_run_a_success(tmp_path, demo_study):
+    """The summary's print into a full or closed stdout was an 'internal error' (exit 1) that removed the
+    complete results."""
+    out = tmp_path / "out"
+    command = (f"ulimit -s 32768; exec {sys.executable} {APP} -i '{demo_study[0]}' -o '{out}' -m '{DEMO_BUNDLE}' "
+               "--device cpu > /dev/full")
+    completed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr
+    assert "the summary could not be printed" in completed.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["labels.nii.gz", "seg.dcm"]
 
 
 def test_reruns_into_an_output_folder_inside_the_input(tmp_path):

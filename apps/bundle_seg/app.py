@@ -30,7 +30,8 @@ from medserve.bundle.predictor import BundlePredictor  # noqa: E402
 from medserve.errors import BundleError, OutputError, one_line  # noqa: E402
 from medserve.logs import configure_logging, sdk_log_level  # noqa: E402
 from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
-from medserve.writers.files import partial_path, stop_publishing, writable_folder  # noqa: E402
+from medserve.writers.files import (partial_path, remove_published, stop_publishing, track_published,  # noqa: E402
+                                    writable_folder)
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator,  # noqa: E402
                        ResultSummaryOperator, SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
 from operators.failures import watch_failures  # noqa: E402
@@ -134,22 +135,23 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None:
             os.environ[variable] = str(value.resolve())
-    if not os.environ.get("HOLOSCAN_OUTPUT_PATH"):
+    if not os.environ.get("HOLOSCAN_OUTPUT_PATH", "").strip():  # a blank one would be the current folder
         print("error: no output path: pass --output or set HOLOSCAN_OUTPUT_PATH", file=sys.stderr)
         return 2
     output = Path(os.environ["HOLOSCAN_OUTPUT_PATH"])
+    published = track_published()
     try:
         created = writable_folder(output, stale=(SEG_NAME, NIFTI_NAME))
     except OutputError as error:
         print(f"error: {one_line(str(error))}", file=sys.stderr)
         return 2
     if (problem := _argument_problem(args)) is not None:  # after the clean-up: no earlier result stays beside it
-        _discard_run(output, created)
+        _discard_run(output, created, published)
         print(f"error: {one_line(problem)}", file=sys.stderr)
         return 2
     # Only now: a Ctrl-C that came during the imports (held, as the signals are blocked) must not clean up while
     # the folders above are still being made.
-    watch_stop_signals(functools.partial(_interrupted, output, created))
+    watch_stop_signals(functools.partial(_interrupted, output, created, published))
     # The SDK reads the paths from the environment; its own argv parser must not see our flags.
     app = BundleSegApp([sys.executable, __file__, "--log-level", sdk_log_level(level)], rules=args.rules,
                        all_matched=args.all_matched, sort_by_sop_instance_count=args.sort_by_sop_instance_count,
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         record.fail("the application", RuntimeError(f"the graph finished without writing {', '.join(missing)}"))
     if record.failure is None:
         return 0
-    _discard_run(output, created)
+    _discard_run(output, created, published)
     print(f"error: {one_line(record.failure.message())}", file=sys.stderr)
     return record.failure.exit_status
 
@@ -175,10 +177,14 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
         return ("--sort-by-sop-instance-count orders the matches of --all-matched; pass both (as the stock "
                 "selector's sort_by_sop_instance_count applies only with all_matched)")
     for name in ("input", "model"):
-        if not os.environ.get(_PATH_VARIABLES[name]):
+        if not os.environ.get(_PATH_VARIABLES[name], "").strip():
             return f"no {name} path: pass --{name} or set {_PATH_VARIABLES[name]}"
-    if not Path(os.environ["HOLOSCAN_INPUT_PATH"]).exists():
-        return f"input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist"
+    try:
+        if not Path(os.environ["HOLOSCAN_INPUT_PATH"]).exists():
+            return f"input folder {os.environ['HOLOSCAN_INPUT_PATH']} does not exist"
+    except OSError as error:  # a name too long, a parent we may not search
+        return (f"input folder {os.environ['HOLOSCAN_INPUT_PATH']}: cannot be read ({error.strerror or error}); "
+                "expected a folder of DICOM files we can read")
     try:  # before the SDK's own look at the model path, which raised PermissionError as an internal error
         bundle = resolve_bundle(Path(os.environ["HOLOSCAN_MODEL_PATH"]))
         for folder in (bundle, bundle / "configs"):
@@ -191,21 +197,23 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _discard_run(output: Path, created: list[Path]) -> None:
-    """Leave nothing of a run that did not complete: its results, their partial files, and the folders it
-    created (deepest first, as long as they are empty). Results of earlier runs were removed when it began."""
-    for result in (output / SEG_NAME, output / NIFTI_NAME):
-        for path in (result, partial_path(result)):
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
+def _discard_run(output: Path, created: list[Path], published: list[tuple[Path, int]]) -> None:
+    """Leave nothing of a run that did not complete: the results it published, its partial files, and the
+    folders it created (deepest first, as long as they are empty). Results of earlier runs were removed when it
+    began; another run's that finished into the same folder meanwhile are that run's, and stay."""
+    remove_published(published)
+    for path in (partial_path(output / SEG_NAME), partial_path(output / NIFTI_NAME)):
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
     for folder in created:
         with contextlib.suppress(OSError):
             folder.rmdir()
 
 
-def _interrupted(output: Path, created: list[Path], received: signal.Signals) -> None:
+def _interrupted(output: Path, created: list[Path], published: list[tuple[Path, int]],
+                 received: signal.Signals) -> None:
     stop_publishing()  # a writer finishing now must not put its file back after the clean-up
-    _discard_run(output, created)
+    _discard_run(output, created, published)
     print(f"error: interrupted by {received.name}; this run's outputs were removed", file=sys.stderr)
 
 

@@ -128,12 +128,13 @@ def load_rules(source: str | Path | dict[str, Any] | None) -> dict[str, Any] | N
         origin = "selection rules"
         if not text.lstrip().startswith(("{", "[")):
             path = Path(text)
-            if not path.is_file():
-                what = "is not a file" if path.exists() else "does not exist"
-                raise SelectionError(f"selection rules file {path} {what}; expected a JSON file or JSON text")
             try:
-                text, origin = path.read_text(encoding="utf-8"), str(path)
-            except (UnicodeDecodeError, OSError) as error:
+                if not path.is_file():
+                    what = "is not a file" if path.exists() else "does not exist"
+                    raise SelectionError(f"selection rules file {path} {what}; expected a JSON file or JSON text")
+                # utf-8-sig: a byte order mark, as editors on Windows write, is not part of the JSON
+                text, origin = path.read_text(encoding="utf-8-sig"), str(path)
+            except (UnicodeDecodeError, OSError) as error:  # also a name too long, a folder we may not search
                 raise SelectionError(f"selection rules file {path}: cannot be read as text ({error})") from error
         try:
             rules = json.loads(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -14,9 +15,52 @@ from medserve.errors import OutputError, first_line
 _PUBLISHING = threading.Lock()
 
 
+# The files this process has published, with their inodes, when it keeps track (`track_published`).
+_published: list[tuple[Path, int]] | None = None
+
+
 def partial_path(path: Path) -> Path:
-    """Where `path` is written before it is complete: a hidden name beside it, keeping its suffixes."""
-    return path.with_name(f".{path.name}.partial{''.join(path.suffixes)}")
+    """Where `path` is written before it is complete: a hidden name beside it, keeping its suffixes, with this
+    process's id (two runs writing into one folder must not write into one file)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.partial{''.join(path.suffixes)}")
+
+
+def track_published() -> list[tuple[Path, int]]:
+    """From now on keep the files this process publishes (path, inode), and return that list: an app that runs
+    once removes exactly its own results when it fails (`remove_published`), not those another run finished
+    into the same folder meanwhile, under the same names. Not for a server, whose list would grow without end."""
+    global _published
+    _published = []
+    return _published
+
+
+def remove_published(published: list[tuple[Path, int]]) -> None:
+    """Remove the files of `published` that are still the ones this process wrote there."""
+    for path, inode in published:
+        with contextlib.suppress(OSError):
+            if path.stat().st_ino == inode:
+                path.unlink()
+
+
+def _abandoned_partials(path: Path) -> list[Path]:
+    """Partial files of `path` whose process has ended without removing them (killed outright, out of memory),
+    and those of versions that named them without a process id."""
+    found = list(path.parent.glob(f".{path.name}.partial*"))
+    for candidate in path.parent.glob(f".{path.name}.*.partial*"):
+        pid = candidate.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit() or not _alive(int(pid)):
+            found.append(candidate)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def writable_folder(folder: Path, stale: Sequence[str] = ()) -> list[Path]:
@@ -24,17 +68,22 @@ def writable_folder(folder: Path, stale: Sequence[str] = ()) -> list[Path]:
     bits say, and remove the files named `stale` there with their partial files (an earlier run's results, which
     must not pass for this run's). Returns the folders it made, deepest first; an OutputError naming the folder
     when it cannot be made or written."""
-    created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]
     try:
+        created = [f for f in (folder, *folder.absolute().parents) if not f.exists()]
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
         for name in stale:
             (folder / name).unlink(missing_ok=True)
             # A run killed outright (SIGKILL, out of memory) leaves its partial file; inside an input folder it
             # would be read as a corrupt DICOM file by every later run.
-            partial_path(folder / name).unlink(missing_ok=True)
+            for partial in _abandoned_partials(folder / name):
+                partial.unlink(missing_ok=True)
     except OSError as error:
-        raise OutputError(f"output folder {folder}: cannot be {'written to' if folder.is_dir() else 'created'} "
+        try:
+            exists = folder.is_dir()
+        except OSError:  # a name too long, a parent we may not search
+            exists = False
+        raise OutputError(f"output folder {folder}: cannot be {'written to' if exists else 'created'} "
                           f"({error.strerror or error}); expected a folder we can write to") from error
     return created
 
@@ -57,6 +106,8 @@ def atomic_output(path: Path) -> Iterator[Path]:
     try:
         yield partial
         with _PUBLISHING:
+            if _published is not None:
+                _published.append((path, partial.stat().st_ino))  # a rename keeps the inode
             partial.replace(path)
     except BaseException as error:
         with contextlib.suppress(OSError):  # the original error is the one to report
