@@ -38,9 +38,9 @@ def block_stop_signals() -> None:
 
 
 def watch_stop_signals(clean_up: Callable[[signal.Signals], None]) -> bool:
-    """On the first SIGINT, SIGTERM or SIGHUP, run `clean_up(signal)` in a watcher thread, then end the process with status
-    128 + its number. Does nothing, and returns False, unless `block_stop_signals()` ran first in this thread (an
-    app's main() called from a test or another program keeps Python's own KeyboardInterrupt)."""
+    """On the first SIGINT, SIGTERM or SIGHUP, run `clean_up(signal)` in a watcher thread, then end the process
+    with status 128 + its number. Does nothing, and returns False, unless `block_stop_signals()` ran first in this
+    thread (an app's main() called from a test or another program keeps Python's own KeyboardInterrupt)."""
     if not STOP_SIGNALS <= signal.pthread_sigmask(signal.SIG_BLOCK, []):
         return False
 
