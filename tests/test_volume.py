@@ -26,7 +26,7 @@ from medserve.demo.phantom import make_phantom
 from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
-from medserve.dicom.volume import load_series, ordered_instances, ras_affine, series_to_volume
+from medserve.dicom.volume import load_series, multiframe_geometry, ordered_instances, ras_affine, series_to_volume
 from medserve.errors import DicomInputError, NiftiInputError, VolumeError
 from medserve.pipeline import volume_from_nifti
 
@@ -839,11 +839,18 @@ def test_an_enhanced_object_of_one_frame_is_read_as_multi_frame(tmp_path, phanto
         legacy_datasets=[pydicom.dcmread(p) for p in single.iterdir()], series_instance_uid=pydicom.uid.generate_uid(),
         series_number=3, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
     assert enhanced.NumberOfFrames == 1
+    # The converter writes a SpacingBetweenSlices of 1.0 for one frame; a scanner's object states SliceThickness.
+    del enhanced.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].SpacingBetweenSlices
     (tmp_path / "multi").mkdir()
     enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
     series = index_folder(tmp_path / "multi").all_series[0]
     assert series.is_multiframe
-    np.testing.assert_array_equal(series_to_volume(series).array, volume_of(single).array)
+    volume, reference = series_to_volume(series), volume_of(single)
+    np.testing.assert_array_equal(volume.array, reference.array)
+    # Its slice spacing is its SliceThickness, as a one-image series takes it (highdicom's default was 1 mm).
+    assert reference.spacing[0] != 1.0
+    np.testing.assert_allclose(volume.affine, reference.affine, atol=1e-4)
+    np.testing.assert_allclose(multiframe_geometry(enhanced).affine, reference.affine, atol=1e-4)
 
 
 # ---- NIfTI volumes (the server's other input) ------------------------------------------------------------------

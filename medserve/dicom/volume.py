@@ -433,7 +433,34 @@ def multiframe_geometry(dataset: pydicom.Dataset,
     if geometry is None:
         raise VolumeError(f"{name}: multi-frame image does not form a regular volume (its frames' positions are "
                           f"not a regular stack along one normal)")
-    return geometry.ensure_handedness(_ALONG_NORMAL, flip_axis=0)
+    geometry = geometry.ensure_handedness(_ALONG_NORMAL, flip_axis=0)
+    affine = _one_frame_affine(dataset, geometry.affine)
+    if affine is None:
+        return geometry
+    return hd.VolumeGeometry(affine, geometry.spatial_shape, geometry.coordinate_system,
+                             geometry.frame_of_reference_uid)
+
+
+def _one_frame_affine(dataset: pydicom.Dataset, affine: np.ndarray) -> np.ndarray | None:
+    """For an object of one frame, `affine` with the slice spacing its pixel measures state (SpacingBetweenSlices,
+    else SliceThickness), as a one-image series takes it; highdicom gives one frame 1 mm. None for several frames
+    or when they state none (1 mm then, with a warning)."""
+    if number_of_frames(dataset) != 1:
+        return None
+    measures = None
+    for groups in (dataset.get("SharedFunctionalGroupsSequence"), dataset.get("PerFrameFunctionalGroupsSequence")):
+        if groups and groups[0].get("PixelMeasuresSequence"):
+            measures = groups[0].PixelMeasuresSequence[0]
+            break
+    name = getattr(dataset, "filename", None) or "the multi-frame image"
+    for keyword in ("SpacingBetweenSlices", "SliceThickness"):
+        values = _optional_decimals(measures, keyword) if measures is not None else None
+        if values and values[0] > 0:
+            spaced = np.array(affine, dtype=np.float64)
+            spaced[:3, 0] *= values[0] / np.linalg.norm(spaced[:3, 0])
+            return spaced
+    log.warning("%s: one frame without SpacingBetweenSlices or SliceThickness; taking 1 mm", name)
+    return None
 
 
 def single_image_spacing(dataset: pydicom.Dataset, *, warn: bool = True) -> float:
@@ -509,4 +536,8 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
                           f"({_frames_problem(error)})") from error
     if volume.array.ndim != 3:
         raise VolumeError(f"{instance.path}: multi-frame image has {volume.array.ndim} dimensions; expected 3")
-    return volume.ensure_handedness(_ALONG_NORMAL, flip_axis=0)  # slices ascending along the normal, as ours
+    volume = volume.ensure_handedness(_ALONG_NORMAL, flip_axis=0)  # slices ascending along the normal, as ours
+    affine = _one_frame_affine(dataset, volume.affine)
+    if affine is None:
+        return volume
+    return hd.Volume(volume.array, affine, volume.coordinate_system, volume.frame_of_reference_uid)
