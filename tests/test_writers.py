@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from medserve.writers.files import atomic_output
 from medserve.writers.labels import label_array
 from medserve.writers import seg as seg_module
 from medserve.writers.nifti import write_nifti
-from medserve.writers.seg import Algorithm, build_seg, segment_concept, write_seg
+from medserve.writers.seg import Algorithm, build_seg, segment_concept, segment_descriptions, write_seg
 from tests.conftest import dciodvfy_errors
 
 LABELS = {1: "spleen", 2: "Right Kidney", 3: "inferior_vena_cava", 4: "tumour core", 5: "tumour"}
@@ -330,11 +331,50 @@ ANATOMY, ABNORMAL, OBJECT, TISSUE = ("91723000", "49755003", "260787004", "85756
     ("background-ish nonsense", TISSUE, ("SCT", "85756007")),  # not a known concept: the generic one
     ("tumour core", TISSUE, ("SCT", "85756007")),
     ("label 7", TISSUE, ("SCT", "85756007")),
+    # wholeBody_ct_segmentation's names: words in any order, Latin/plural/lay words, numbers, an organ's part
+    ("vertebrae_L1", ANATOMY, ("SCT", "66794005")),  # L1 vertebra
+    ("lung_middle_lobe_right", ANATOMY, ("SCT", "72481006")),  # Middle lobe of right lung
+    ("lung_lower_lobe_left", ANATOMY, ("SCT", "90572001")),  # Lower lobe of lung (modified Left)
+    ("heart_atrium_left", ANATOMY, ("SCT", "82471001")),  # Left atrium
+    ("small_bowel", ANATOMY, ("SCT", "30315005")),  # Small intestine
+    ("clavicula_right", ANATOMY, ("SCT", "51299004")),  # Clavicle
+    ("iliac_vena_left", ANATOMY, ("SCT", "244411005")),  # Iliac vein
+    ("rib_left_3", ANATOMY, ("SCT", "113197003")),  # Rib
+    ("gluteus_maximus_left", TISSUE, ("SCT", "85756007")),  # no such concept in the groups
 ])
 def test_segment_concept_comes_from_the_segmentation_context_groups(label, category, kind):
     found_category, found_kind = segment_concept(label)
     assert (found_category.scheme_designator, found_category.value) == ("SCT", category)
     assert (found_kind.scheme_designator, found_kind.value) == kind
+
+
+@pytest.mark.parametrize(("label", "modifier"), [
+    ("rib_left_3", "Left"), ("lung_upper_lobe_right", "Right"), ("iliac_vena_left", "Left"),
+    ("heart_atrium_left", None), ("lung_middle_lobe_right", None), ("vertebrae_T12", None),
+])
+def test_a_side_beyond_the_coded_structure_is_its_modifier(label, modifier):
+    description, = segment_descriptions({1: label}, [1], Algorithm("algo", "1"))
+    found = description.SegmentedPropertyTypeCodeSequence[0].get("SegmentedPropertyTypeModifierCodeSequence", [])
+    assert [code.CodeMeaning for code in found] == ([modifier] if modifier else [])
+
+
+def test_label_values_the_bundle_does_not_name_are_written_with_a_warning(tmp_path, caplog):
+    series, volume = study(tmp_path / "study")
+    label_map = multi_label(volume)
+    label_map[15, 0:2, 0:2] = 8
+    seg = build_seg(label_map, volume.source_datasets, LABELS, Algorithm("algo", "1"))
+    assert [d.SegmentLabel for d in seg.SegmentSequence][5:] == ["label 6", "label 7", "label 8"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["the label map holds values up to 8, beyond the bundle's labels (channel_def names up to 5): "
+                        "they are written as segments 'label N', one per value up to 8"]
+
+
+def test_a_label_name_cut_to_a_dicom_long_string_is_warned_about(caplog):
+    long_name = "left anterior descending coronary artery, proximal and middle segments"  # 71 characters
+    descriptions = segment_descriptions({1: long_name, 2: "spleen"}, [1, 2], Algorithm("algo", "1"))
+    assert [d.SegmentLabel for d in descriptions] == [long_name[:64].strip(), "spleen"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"label 1 {long_name!r} is written as {long_name[:64]!r}")
 
 
 def test_nifti_has_the_source_geometry(tmp_path):

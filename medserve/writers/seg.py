@@ -4,8 +4,9 @@ Segment descriptions come from the bundle's metadata: each label name is looked 
 context groups (PS3.16 CID 7150 categories and the type group of each category, CIDs 7191-7198), so a known
 anatomy gets (Anatomical Structure, that structure) ("spleen", "Right Kidney" -> Kidney, "inferior_vena_cava"),
 a known lesion (Morphologically Abnormal Structure, that finding) ("tumour" -> Neoplasm, "edema"), a known device
-(Physical Object, that object) ("catheter"), and any other name the generic (Tissue, Tissue). Empty frames are
-omitted.
+(Physical Object, that object) ("catheter"), and any other name the generic (Tissue, Tissue). Names are matched in
+any word order, also with published bundles' own words ("vertebrae_L1", "small_bowel", "heart_atrium_left").
+Empty frames are omitted.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ _CATEGORY_TYPE_GROUPS = (
 # resolves to that member.
 _SPELLINGS = {"tumour": "tumor", "oedema": "edema", "haemorrhage": "hemorrhage", "oesophagus": "esophagus",
               "faeces": "feces"}
+# Latin, plural or lay words of published bundles (wholeBody_ct_segmentation's "vertebrae_L1", "clavicula_left",
+# "iliac_vena_left", "small_bowel") for the groups' words; tried when a name as written matches nothing, as
+# "vena" is the groups' own word in "inferior vena cava".
+_BUNDLE_WORDS = {"vertebrae": "vertebra", "clavicula": "clavicle", "vena": "vein", "bowel": "intestine"}
+_FILLER_WORDS = frozenset({"of", "the"})
 log = logging.getLogger("medserve.writers.seg")
 _TYPE2_COPIED_ATTRIBUTES = ("PatientID", "PatientName", "PatientBirthDate", "PatientSex", "AccessionNumber",
                             "StudyID", "StudyDate", "StudyTime")
@@ -115,14 +121,33 @@ def _segment_coding(label: str) -> tuple[Code, Code, Code | None]:
     """(category, type, laterality): the laterality (CID 244) is the side a name states beyond its coded
     structure, for the segment's type modifier ("kidney_left" is a Kidney modified Left, "left atrium" a structure
     of its own with none); without it a bundle's left and right kidneys would be coded alike."""
-    words = [_SPELLINGS.get(w.lower(), w) for w in re.split(r"[^0-9A-Za-z]+", label) if w]
-    sides = {w.lower() for w in words} & _LATERALITY_WORDS.keys()
-    structure_words = [w for w in words if w.lower() not in _LATERALITY_WORDS]
-    for candidate, laterality in ((words, None), (structure_words, _laterality(sides))):
-        found = _lookup_concept("".join(w.capitalize() for w in candidate)) if candidate else None
+    words = [w for w in (_SPELLINGS.get(w.lower(), w.lower()) for w in re.split(r"[^0-9A-Za-z]+", label) if w)
+             if w not in _FILLER_WORDS]
+    return (_coding_of_words(words) or _coding_of_words([_BUNDLE_WORDS.get(w, w) for w in words])
+            or (codes.cid7150.Tissue, codes.cid7191.Tissue, None))
+
+
+def _coding_of_words(words: list[str]) -> tuple[Code, Code, Code | None] | None:
+    """The words as a concept in any order; else without their side words (as that side's modifier); else also
+    without numbers ("rib_left_3" is a Rib, modified Left); else, when the first names a structure, the rest as a
+    part of it ("heart_atrium_left" is the Left atrium)."""
+    laterality = _laterality(set(words) & _LATERALITY_WORDS.keys())
+    structure = [w for w in words if w not in _LATERALITY_WORDS]
+    unnumbered = [w for w in structure if not w.isdigit()]
+    for candidate, modifier in ((words, None), (structure, laterality), (unnumbered, laterality)):
+        found = _lookup_words(candidate)
         if found is not None:
-            return (*found, laterality)
-    return codes.cid7150.Tissue, codes.cid7191.Tissue, None
+            return (*found, modifier)
+    if len(structure) > 1 and _lookup_words(structure[:1]) is not None:
+        return _coding_of_words([w for w in words if w != structure[0]])
+    return None
+
+
+def _lookup_words(words: list[str]) -> tuple[Code, Code] | None:
+    if not words:
+        return None
+    by_words = _concepts_by_words()
+    return by_words.get(frozenset(words)) or _lookup_concept("".join(w.capitalize() for w in words))
 
 
 def _laterality(sides: set[str]) -> Code | None:
@@ -165,10 +190,23 @@ def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[s
     return by_keyword, by_code
 
 
+@functools.cache
+def _concepts_by_words() -> dict[frozenset[str], tuple[Code, Code]]:
+    """(category, type) of every concept in the type groups by the words of its meaning, in any order ("Lower
+    lobe of lung" is {"lower", "lobe", "lung"}); the first group listed wins, as by keyword."""
+    by_words: dict[frozenset[str], tuple[Code, Code]] = {}
+    for category, cid in _CATEGORY_TYPE_GROUPS:
+        for code in getattr(codes, f"cid{cid}").concepts.values():
+            words = frozenset(re.split(r"[^0-9a-z]+", code.meaning.lower())) - _FILLER_WORDS - {""}
+            by_words.setdefault(words, (getattr(codes.cid7150, category), code))
+    return by_words
+
+
 def segment_descriptions(labels: dict[int, str], numbers: list[int],
                          algorithm: Algorithm) -> list[hd.seg.SegmentDescription]:
     identification = hd.AlgorithmIdentificationSequence(
-        name=_long_string(algorithm.name), version=_long_string(algorithm.version or "0"),
+        name=_written_as_long_string(algorithm.name, "algorithm name"),
+        version=_written_as_long_string(algorithm.version or "0", "algorithm version"),
         family=codes.cid7162.ArtificialIntelligence)
     descriptions = []
     for number in numbers:
@@ -176,7 +214,7 @@ def segment_descriptions(labels: dict[int, str], numbers: list[int],
         category, kind, laterality = _segment_coding(label)
         description = hd.seg.SegmentDescription(
             segment_number=number,
-            segment_label=_long_string(label),
+            segment_label=_written_as_long_string(label, f"label {number}"),
             segmented_property_category=category,
             segmented_property_type=kind,
             algorithm_type=hd.seg.SegmentAlgorithmTypeValues.AUTOMATIC,
@@ -203,7 +241,11 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
     else:
         values = pixels = label_array(label_map, _frames_shape(source),
                                       fits="the source series (images, rows, columns)")
-    numbers = list(range(1, max(max(labels, default=0), int(values.max(initial=0)), 1) + 1))
+    named, largest = max(labels, default=0), int(values.max(initial=0))
+    if labels and largest > named:
+        log.warning("the label map holds values up to %d, beyond the bundle's labels (channel_def names up to %d): "
+                    "they are written as segments 'label N', one per value up to %d", largest, named, largest)
+    numbers = list(range(1, max(named, largest, 1) + 1))
     _cache_iod_attribute_lookup()
     first = _first_source(source)
     segmentation = hd.seg.Segmentation(
@@ -241,6 +283,16 @@ def _declare_character_set(segmentation: hd.seg.Segmentation, texts: list[str]) 
         except UnicodeEncodeError:
             segmentation.SpecificCharacterSet = "ISO_IR 192"
             return
+
+
+def _written_as_long_string(text: str, what: str) -> str:
+    """`_long_string(text)`, with a warning naming `what` when that is not the text the bundle gave: a cut name
+    may no longer tell two segments apart."""
+    written = _long_string(text)
+    if written != text.strip():
+        log.warning("%s %r is written as %r: a DICOM LO value holds at most 64 characters, without backslashes or "
+                    "control characters", what, text, written)
+    return written
 
 
 def _long_string(text: str) -> str:
