@@ -341,6 +341,13 @@ ANATOMY, ABNORMAL, OBJECT, TISSUE = ("91723000", "49755003", "260787004", "85756
     ("iliac_vena_left", ANATOMY, ("SCT", "244411005")),  # Iliac vein
     ("rib_left_3", ANATOMY, ("SCT", "113197003")),  # Rib
     ("gluteus_maximus_left", TISSUE, ("SCT", "85756007")),  # no such concept in the groups
+    # A part or finding named with its organ is not the organ, nor a body region of the part's name
+    ("tumor_liver", TISSUE, ("SCT", "85756007")),
+    ("stent_aorta", TISSUE, ("SCT", "85756007")),
+    ("necrosis_tumor", TISSUE, ("SCT", "85756007")),
+    ("pancreas_head", TISSUE, ("SCT", "85756007")),
+    ("head_of_pancreas", TISSUE, ("SCT", "85756007")),
+    ("kidney_pelvis_left", TISSUE, ("SCT", "85756007")),
 ])
 def test_segment_concept_comes_from_the_segmentation_context_groups(label, category, kind):
     found_category, found_kind = segment_concept(label)

@@ -107,10 +107,12 @@ class Algorithm:
 def segment_concept(label: str) -> tuple[Code, Code]:
     """(category, type) coded concepts for a label name, from the DICOM segmentation context groups.
 
-    The name's words (laterality words kept, then dropped: "left atrium" is a structure of its own, "Right
-    Kidney" is a Kidney) are matched case-insensitively against the keywords of CIDs 7191-7198, then as a
-    SNOMED CT keyword (or that of its "... structure") whose code is in one of them; a name that matches neither
-    is (Tissue, Tissue).
+    The name's words, in any order and case (laterality words kept, then dropped: "left atrium" is a structure of
+    its own, "Right Kidney" is a Kidney; then numbers dropped: "rib_left_3" is a Rib), are matched against the
+    meanings and keywords of CIDs 7191-7198, then as a SNOMED CT keyword (or that of its "... structure") whose
+    code is in one of them; then with published bundles' own words ("vertebrae", "clavicula", "vena", "bowel").
+    An organ named before a sided part of it is dropped when the part is a structure of its own
+    ("heart_atrium_left" is the Left atrium). A name that matches none of these is (Tissue, Tissue).
     """
     category, kind, _ = _segment_coding(label)
     return category, kind
@@ -129,8 +131,9 @@ def _segment_coding(label: str) -> tuple[Code, Code, Code | None]:
 
 def _coding_of_words(words: list[str]) -> tuple[Code, Code, Code | None] | None:
     """The words as a concept in any order; else without their side words (as that side's modifier); else also
-    without numbers ("rib_left_3" is a Rib, modified Left); else, when the first names a structure, the rest as a
-    part of it ("heart_atrium_left" is the Left atrium)."""
+    without numbers ("rib_left_3" is a Rib, modified Left); else, when the first names an anatomical structure,
+    the others as a structure whose own name holds their side ("heart_atrium_left" is the Left atrium). Only a side
+    makes a part certain: "pancreas_head" is no Head, "tumor_liver" no Liver, "kidney_pelvis" no Pelvis."""
     laterality = _laterality(set(words) & _LATERALITY_WORDS.keys())
     structure = [w for w in words if w not in _LATERALITY_WORDS]
     unnumbered = [w for w in structure if not w.isdigit()]
@@ -138,12 +141,16 @@ def _coding_of_words(words: list[str]) -> tuple[Code, Code, Code | None] | None:
         found = _lookup_words(candidate)
         if found is not None:
             return (*found, modifier)
-    if len(structure) > 1 and _lookup_words(structure[:1]) is not None:
-        return _coding_of_words([w for w in words if w != structure[0]])
+    organ = _lookup_words(structure[:1])
+    if laterality is not None and len(structure) > 1 and organ and organ[0] == codes.cid7150.AnatomicalStructure:
+        found = _lookup_words([w for w in words if w != structure[0]])
+        if found is not None:
+            return (*found, None)
     return None
 
 
 def _lookup_words(words: list[str]) -> tuple[Code, Code] | None:
+    """(category, type) of the concept these words name, in any order; None when none does."""
     if not words:
         return None
     by_words = _concepts_by_words()
