@@ -452,29 +452,36 @@ def _one_frame_affine(dataset: pydicom.Dataset, affine: np.ndarray) -> np.ndarra
         if groups and groups[0].get("PixelMeasuresSequence"):
             measures = groups[0].PixelMeasuresSequence[0]
             break
-    name = getattr(dataset, "filename", None) or "the multi-frame image"
-    for keyword in ("SpacingBetweenSlices", "SliceThickness"):
-        values = _optional_decimals(measures, keyword) if measures is not None else None
-        if values and values[0] > 0:
-            spaced = np.array(affine, dtype=np.float64)
-            spaced[:3, 0] *= values[0] / np.linalg.norm(spaced[:3, 0])
-            return spaced
-    log.warning("%s: one frame without SpacingBetweenSlices or SliceThickness; taking 1 mm", name)
-    return None
+    spacing = _stated_slice_spacing(measures) if measures is not None else None
+    if spacing is None:
+        log.warning("%s: one frame without SpacingBetweenSlices or SliceThickness; taking 1 mm",
+                    getattr(dataset, "filename", None) or "the multi-frame image")
+        return None
+    spaced = np.array(affine, dtype=np.float64)
+    spaced[:3, 0] *= spacing / np.linalg.norm(spaced[:3, 0])
+    return spaced
 
 
 def single_image_spacing(dataset: pydicom.Dataset, *, warn: bool = True) -> float:
     """The slice spacing of a series of one image: SpacingBetweenSlices, else SliceThickness, else 1 mm (with a
     warning unless `warn` is false: the NIfTI's affine and the SEG's slice thickness then say 1 mm, which nothing in
     the header states; the SEG writer, which restates what the volume took, passes false)."""
-    for keyword in ("SpacingBetweenSlices", "SliceThickness"):
-        values = _optional_decimals(dataset, keyword)
-        if values and values[0] > 0:
-            return values[0]
+    spacing = _stated_slice_spacing(dataset)
+    if spacing is not None:
+        return spacing
     if warn:
         log.warning("%s: a single image without SpacingBetweenSlices or SliceThickness; taking 1 mm",
                     getattr(dataset, "filename", None) or "the source image")
     return 1.0
+
+
+def _stated_slice_spacing(dataset: pydicom.Dataset) -> float | None:
+    """SpacingBetweenSlices, else SliceThickness, where one is a positive number."""
+    for keyword in ("SpacingBetweenSlices", "SliceThickness"):
+        values = _optional_decimals(dataset, keyword)
+        if values and values[0] > 0:
+            return values[0]
+    return None
 
 
 def _optional_decimals(dataset: pydicom.Dataset, keyword: str) -> tuple[float, ...] | None:
