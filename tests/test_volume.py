@@ -853,6 +853,26 @@ def test_an_enhanced_object_of_one_frame_is_read_as_multi_frame(tmp_path, phanto
     np.testing.assert_allclose(multiframe_geometry(enhanced).affine, reference.affine, atol=1e-4)
 
 
+def test_an_enhanced_object_of_one_frame_without_a_spacing_is_warned_about_once(tmp_path, phantom, caplog):
+    single = tmp_path / "single"
+    write_ct_series(phantom.hu[:1], single)
+    enhanced = hd.legacy.LegacyConvertedEnhancedCTImage(
+        legacy_datasets=[pydicom.dcmread(p) for p in single.iterdir()], series_instance_uid=pydicom.uid.generate_uid(),
+        series_number=3, sop_instance_uid=pydicom.uid.generate_uid(), instance_number=1)
+    measures = enhanced.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0]
+    for keyword in ("SpacingBetweenSlices", "SliceThickness"):
+        if keyword in measures:
+            delattr(measures, keyword)
+    (tmp_path / "multi").mkdir()
+    enhanced.save_as(tmp_path / "multi" / "enhanced.dcm")
+    with caplog.at_level(logging.WARNING, logger="medserve.dicom.volume"):
+        volume = load_series(select_series(index_folder(tmp_path / "multi"))[0].series).volume
+    assert volume.spacing[0] == pytest.approx(1.0)
+    # The selection's check of the headers and the volume both place the frame; only the volume's 1 mm is news.
+    assert [r.getMessage() for r in caplog.records if "taking 1 mm" in r.getMessage()] == [
+        f"{tmp_path / 'multi' / 'enhanced.dcm'}: one frame without SpacingBetweenSlices or SliceThickness; taking 1 mm"]
+
+
 # ---- NIfTI volumes (the server's other input) ------------------------------------------------------------------
 
 NIFTI_AFFINE = np.array([[-0.8, 0, 0, 100], [0, -0.8, 0, 90], [0, 0, 2.5, -40], [0, 0, 0, 1]])

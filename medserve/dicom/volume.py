@@ -434,17 +434,17 @@ def multiframe_geometry(dataset: pydicom.Dataset,
         raise VolumeError(f"{name}: multi-frame image does not form a regular volume (its frames' positions are "
                           f"not a regular stack along one normal)")
     geometry = geometry.ensure_handedness(_ALONG_NORMAL, flip_axis=0)
-    affine = _one_frame_affine(dataset, geometry.affine)
+    affine = _one_frame_affine(dataset, geometry.affine, warn=False)  # building the volume warns, once
     if affine is None:
         return geometry
     return hd.VolumeGeometry(affine, geometry.spatial_shape, geometry.coordinate_system,
                              geometry.frame_of_reference_uid)
 
 
-def _one_frame_affine(dataset: pydicom.Dataset, affine: np.ndarray) -> np.ndarray | None:
+def _one_frame_affine(dataset: pydicom.Dataset, affine: np.ndarray, *, warn: bool) -> np.ndarray | None:
     """For an object of one frame, `affine` with the slice spacing its pixel measures state (SpacingBetweenSlices,
     else SliceThickness), as a one-image series takes it; highdicom gives one frame 1 mm. None for several frames
-    or when they state none (1 mm then, with a warning)."""
+    or when they state none (1 mm then, with a warning unless `warn` is false)."""
     if number_of_frames(dataset) != 1:
         return None
     measures = None
@@ -454,8 +454,9 @@ def _one_frame_affine(dataset: pydicom.Dataset, affine: np.ndarray) -> np.ndarra
             break
     spacing = _stated_slice_spacing(measures) if measures is not None else None
     if spacing is None:
-        log.warning("%s: one frame without SpacingBetweenSlices or SliceThickness; taking 1 mm",
-                    getattr(dataset, "filename", None) or "the multi-frame image")
+        if warn:
+            log.warning("%s: one frame without SpacingBetweenSlices or SliceThickness; taking 1 mm",
+                        getattr(dataset, "filename", None) or "the multi-frame image")
         return None
     spaced = np.array(affine, dtype=np.float64)
     spaced[:3, 0] *= spacing / np.linalg.norm(spaced[:3, 0])
@@ -544,7 +545,7 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
     if volume.array.ndim != 3:
         raise VolumeError(f"{instance.path}: multi-frame image has {volume.array.ndim} dimensions; expected 3")
     volume = volume.ensure_handedness(_ALONG_NORMAL, flip_axis=0)  # slices ascending along the normal, as ours
-    affine = _one_frame_affine(dataset, volume.affine)
+    affine = _one_frame_affine(dataset, volume.affine, warn=True)
     if affine is None:
         return volume
     return hd.Volume(volume.array, affine, volume.coordinate_system, volume.frame_of_reference_uid)
