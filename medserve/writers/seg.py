@@ -141,19 +141,20 @@ def _coding_of_words(words: list[str]) -> tuple[Code, Code, Code | None] | None:
         found = _lookup_words(candidate)
         if found is not None:
             return (*found, modifier)
+    if laterality is None or len(structure) < 2:
+        return None
     organ = _lookup_words(structure[:1])
-    if laterality is not None and len(structure) > 1 and organ and organ[0] == codes.cid7150.AnatomicalStructure:
-        found = _lookup_words([w for w in words if w != structure[0]])
-        if found is not None:
-            return (*found, None)
-    return None
+    if organ is None or organ[0] != codes.cid7150.AnatomicalStructure:
+        return None
+    found = _lookup_words([w for w in words if w != structure[0]])
+    return (*found, None) if found is not None else None
 
 
 def _lookup_words(words: list[str]) -> tuple[Code, Code] | None:
     """(category, type) of the concept these words name, in any order; None when none does."""
     if not words:
         return None
-    by_words = _concepts_by_words()
+    by_words = _segmentation_concepts()[2]
     return by_words.get(frozenset(words)) or _lookup_concept("".join(w.capitalize() for w in words))
 
 
@@ -166,7 +167,7 @@ def _laterality(sides: set[str]) -> Code | None:
 
 @functools.lru_cache(maxsize=1024)
 def _lookup_concept(keyword: str) -> tuple[Code, Code] | None:
-    by_keyword, by_code = _segmentation_concepts()
+    by_keyword, by_code, _ = _segmentation_concepts()
     found = by_keyword.get(keyword.lower())
     # SNOMED CT names body structures "<name> structure" ("Urinary bladder structure" is the groups' Bladder).
     for snomed_keyword in (keyword, f"{keyword}Structure", f"StructureOf{keyword}"):
@@ -179,11 +180,14 @@ def _lookup_concept(keyword: str) -> tuple[Code, Code] | None:
 
 
 @functools.cache
-def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[str, str], tuple[Code, Code]]]:
+def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[str, str], tuple[Code, Code]],
+                                      dict[frozenset[str], tuple[Code, Code]]]:
     """(category, type) of every concept in the type groups: by lower-cased keyword (then meaning, without spaces
-    or punctuation) and by (scheme, code value)."""
+    or punctuation), by (scheme, code value), and by the words of its meaning in any order ("Lower lobe of lung" is
+    {"lower", "lobe", "lung"}). Where concepts share a name, the first group listed wins."""
     by_keyword: dict[str, tuple[Code, Code]] = {}
     by_code: dict[tuple[str, str], tuple[Code, Code]] = {}
+    by_words: dict[frozenset[str], tuple[Code, Code]] = {}
     groups = [(getattr(codes.cid7150, category), getattr(codes, f"cid{cid}").concepts)
               for category, cid in _CATEGORY_TYPE_GROUPS]
     for category, concepts in groups:
@@ -193,20 +197,11 @@ def _segmentation_concepts() -> tuple[dict[str, tuple[Code, Code]], dict[tuple[s
     # A code's meaning is a name too: CID 7191 keys Bone as "BoneTissue" but means "Bone".
     for category, concepts in groups:
         for code in concepts.values():
-            by_keyword.setdefault(re.sub(r"[^0-9a-z]+", "", code.meaning.lower()), (category, code))
-    return by_keyword, by_code
-
-
-@functools.cache
-def _concepts_by_words() -> dict[frozenset[str], tuple[Code, Code]]:
-    """(category, type) of every concept in the type groups by the words of its meaning, in any order ("Lower
-    lobe of lung" is {"lower", "lobe", "lung"}); the first group listed wins, as by keyword."""
-    by_words: dict[frozenset[str], tuple[Code, Code]] = {}
-    for category, cid in _CATEGORY_TYPE_GROUPS:
-        for code in getattr(codes, f"cid{cid}").concepts.values():
-            words = frozenset(re.split(r"[^0-9a-z]+", code.meaning.lower())) - _FILLER_WORDS - {""}
-            by_words.setdefault(words, (getattr(codes.cid7150, category), code))
-    return by_words
+            meaning = code.meaning.lower()
+            by_keyword.setdefault(re.sub(r"[^0-9a-z]+", "", meaning), (category, code))
+            words = frozenset(re.split(r"[^0-9a-z]+", meaning)) - _FILLER_WORDS - {""}
+            by_words.setdefault(words, (category, code))
+    return by_keyword, by_code, by_words
 
 
 def segment_descriptions(labels: dict[int, str], numbers: list[int],
