@@ -52,6 +52,32 @@ def test_index_groups_by_study_and_series_and_skips_what_is_not_an_image(two_ser
     assert instance.pixel_data_offset is not None
 
 
+def test_headers_are_parsed_with_the_collector_paused_and_it_runs_again_after(two_series_study, monkeypatch):
+    """Header parsing makes no reference cycles; the collector's passes over the process cost up to half its time."""
+    import gc
+
+    import medserve.dicom.index as index_module
+
+    collector_on: list[bool] = []
+    read_header = index_module.read_header
+
+    def recording(path):
+        collector_on.append(gc.isenabled())
+        if path.name == "notes.txt":
+            raise PermissionError(13, "refused")
+        return read_header(path)
+
+    monkeypatch.setattr(index_module, "read_header", recording)
+    gc.enable()
+    (two_series_study / "notes.txt").unlink()
+    assert len(index_folder(two_series_study).all_series) == 2
+    assert collector_on and not any(collector_on) and gc.isenabled()
+    (two_series_study / "notes.txt").write_text("refused by the recording reader")
+    with pytest.raises(DicomInputError, match="notes.txt: cannot be read .refused"):
+        index_folder(two_series_study)
+    assert gc.isenabled()
+
+
 def test_dicomdir_is_skipped_and_the_files_it_lists_are_indexed(tmp_path, caplog):
     written = write_ct_series(make_phantom(shape=(3, 8, 8)).hu, tmp_path / "src")
     file_set = FileSet()

@@ -24,6 +24,7 @@ from pydicom.valuerep import VR
 from medserve.dicom.memory import VolumeMemory
 from medserve.dicom.values import number_of_frames, uid_value
 from medserve.errors import DicomInputError
+from medserve.gc_pause import collector_paused
 
 log = logging.getLogger("medserve.dicom.index")
 _SKIPS_LOGGED = 20  # skipped files named one by one in the log
@@ -183,6 +184,7 @@ def _read(source: Path | BinaryIO, without_preamble: bool, **options: Any) -> Da
     return dataset
 
 
+@collector_paused()  # header parsing allocates much, in no reference cycles (medserve.gc_pause)
 def index_folder(folder: Path | str, exclude: Path | str | None = None) -> StudyIndex:
     """Index every DICOM file under `folder` (recursively) by StudyInstanceUID and SeriesInstanceUID.
 
