@@ -376,6 +376,23 @@ def test_label_values_the_bundle_does_not_name_are_written_with_a_warning(tmp_pa
                         "they are written as segments 'label N', one per value up to 8"]
 
 
+def test_label_values_between_the_named_ones_are_written_with_a_warning(tmp_path, caplog):
+    series, volume = study(tmp_path / "study")
+    label_map = multi_label(volume)
+    label_map[15, 0:2, 0:2] = 3
+    gapped = {number: name for number, name in LABELS.items() if number != 3}
+    seg = build_seg(label_map, volume.source_datasets, gapped, Algorithm("algo", "1"))
+    assert [d.SegmentLabel for d in seg.SegmentSequence][2] == "label 3"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["the label map holds values the bundle's labels do not name (channel_def names 1, 2, 4, 5): "
+                        "3; they are written as segments 'label N'"]
+    caplog.clear()
+    build_seg(multi_label(volume), volume.source_datasets, gapped, Algorithm("algo", "1"))  # 3 named nowhere, absent
+    empty = np.zeros_like(label_map)  # highdicom writes every frame of every segment then: none holds a 3
+    build_seg(empty, volume.source_datasets, gapped, Algorithm("algo", "1"))
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING and r.name.startswith("medserve")]
+
+
 def test_a_label_name_cut_to_a_dicom_long_string_is_warned_about(caplog):
     long_name = "left anterior descending coronary artery, proximal and middle segments"  # 71 characters
     descriptions = segment_descriptions({1: long_name, 2: "spleen"}, [1, 2], Algorithm("algo", "1"))

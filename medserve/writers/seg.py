@@ -270,7 +270,28 @@ def build_seg(label_map: np.ndarray | hd.Volume, source: list[Dataset], labels: 
         content_description=_long_string(f"Segmentation of series {first.SeriesInstanceUID}"),
     )
     _declare_character_set(segmentation, [*labels.values(), algorithm.name, algorithm.version])
+    if labels and largest:  # an empty map is written with every frame of every segment (highdicom's rule)
+        _warn_of_unnamed_values_between(segmentation, labels)
     return segmentation
+
+
+def _warn_of_unnamed_values_between(segmentation: hd.seg.Segmentation, labels: dict[int, str]) -> None:
+    """Values below the largest named one that channel_def does not name (a 2 where it names 1 and 3) are written
+    as segments "label N" too. They are found from the frames written, which costs less than a scan of the map;
+    values above the named ones were warned about before the build. Only frames that hold a segment are written
+    when the map is not empty."""
+    named_up_to = max(labels)
+    # A SEG of one frame states its segment once, among the groups all frames share.
+    shared = segmentation.SharedFunctionalGroupsSequence[0].get("SegmentIdentificationSequence")
+    written: set[int] = set()
+    for item in segmentation.PerFrameFunctionalGroupsSequence:
+        identification = item.get("SegmentIdentificationSequence") or shared
+        written.add(int(identification[0].ReferencedSegmentNumber))
+    unnamed = sorted(value for value in written if value < named_up_to and value not in labels)
+    if unnamed:
+        log.warning("the label map holds values the bundle's labels do not name (channel_def names %s): %s; they "
+                    "are written as segments 'label N'", ", ".join(map(str, sorted(labels))),
+                    ", ".join(map(str, unnamed)))
 
 
 def _declare_character_set(segmentation: hd.seg.Segmentation, texts: list[str]) -> None:
