@@ -18,10 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+from medserve.home import ensure_writable_home
 from medserve.stopping import block_stop_signals, watch_stop_signals
 
 if __name__ == "__main__":
     block_stop_signals()  # before torch, Holoscan and the SDK start threads (see medserve.stopping)
+    ensure_writable_home()  # before the SDK's imports write caches there (see medserve.home)
 
 from monai.deploy.core import Application  # noqa: E402
 from monai.deploy.conditions import CountCondition  # noqa: E402

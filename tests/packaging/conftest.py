@@ -113,8 +113,8 @@ def remove_image(tag: str) -> None:
     podman("untag", tag, tag)  # with no name given, untag would drop every name of that image
 
 
-def podman_run(image: str, *args: str, entrypoint: str | None = None,
-               volumes: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def podman_run(image: str, *args: str, entrypoint: str | None = None, volumes: tuple[str, ...] = (),
+               user: str | None = None) -> subprocess.CompletedProcess:
     """`podman run` as medserve runs MAPs here: runc, no network, ulimits runc may set in a CI sandbox."""
     from medserve.packaging.run import ulimits
 
@@ -125,4 +125,6 @@ def podman_run(image: str, *args: str, entrypoint: str | None = None,
         argv += ["-v", volume]
     if entrypoint is not None:
         argv += ["--entrypoint", entrypoint]
+    if user is not None:
+        argv += ["--user", user]
     return podman(*argv, image, *args)

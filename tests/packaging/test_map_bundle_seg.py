@@ -111,6 +111,20 @@ def test_map_seg_matches_direct_run(bundle_seg_map: str, demo_study: Path, direc
     assert ours_volume.array.any(), "the demo study must produce a non-empty segmentation"
 
 
+def test_map_runs_as_a_uid_the_image_does_not_know(bundle_seg_map: str, demo_study: Path, direct_seg: Path,
+                                                    tmp_path: Path) -> None:
+    """`docker run --user` of any host user: HOME is then a folder that user cannot write (the SDK's imports
+    create caches there), and the app must still run."""
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)
+    result = podman_run(bundle_seg_map, user="4321:4321",
+                        volumes=(f"{demo_study}:/var/holoscan/input:ro", f"{out}:/var/holoscan/output"))
+    assert "Permission denied" not in result.stdout + result.stderr, result.stderr[-3000:]
+    assert (out / "seg.dcm").is_file(), result.stderr[-3000:]  # the entrypoint exits 0 whatever the app does
+    assert np.array_equal(_seg_volume(out / "seg.dcm").array, _seg_volume(direct_seg).array)
+
+
 def test_map_run_reports_the_apps_failure(bundle_seg_map: str, tmp_path: Path) -> None:
     """The entrypoint exits 0 whatever the app does: `medserve run` must still fail when the app fails."""
     study = tmp_path / "not_a_study"
