@@ -22,6 +22,7 @@ from medserve.dicom.index import index_folder, is_multiframe_dataset
 from medserve.dicom.select import first_selected, select_series
 from medserve.dicom.volume import LoadedSeries, load_series, lps_affine, multiframe_geometry
 from medserve.errors import NiftiInputError, one_line
+from medserve.writers.files import writable_folder
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
 
@@ -97,7 +98,7 @@ def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path |
     label_map = predictor.predict(source.volume)
     lap("inference")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_folder(out)  # an OutputError naming it, as the writers' own failures are
     seg_path = write_seg(segmentation_of(source, label_map, predictor), out / SEG_NAME)
     try:
         nifti_path = write_nifti(label_map, source.volume, out / NIFTI_NAME) if nifti else None
@@ -153,7 +154,7 @@ def run_nifti(nifti_path: Path | str, predictor: BundlePredictor, out_dir: Path 
     volume = volume_from_nifti(Path(nifti_path))
     label_map = predictor.predict(volume)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_folder(out)
     nifti_out = write_nifti(label_map, volume, out / NIFTI_NAME)
     return StudyResult(seg_path=None, nifti_path=nifti_out, study_uid=None, series_uid=None,
                        segments=segment_counts(label_map, predictor.labels),

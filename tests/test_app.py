@@ -97,6 +97,30 @@ def test_pipeline_leaves_no_seg_alone_when_the_nifti_fails(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["labels.nii.gz"]  # no seg.dcm
 
 
+@pytest.mark.parametrize("source", ["dicom", "nifti"])
+def test_pipeline_names_an_output_folder_it_cannot_create(tmp_path, source):
+    """The server's job result folder failed as a bare OSError with the server's path (an internal error)."""
+    import nibabel as nib
+
+    from medserve.demo.study import write_ct_series
+    from medserve.errors import OutputError
+    from medserve.pipeline import run_nifti
+    from tests.conftest import make_threshold_bundle
+
+    hu = np.full((4, 12, 12), -50.0, np.float32)
+    hu[1:3, 3:9, 3:9] = 300
+    predictor = BundlePredictor.from_dir(make_threshold_bundle(tmp_path / "thr"), device="cpu")
+    (tmp_path / "a_file").write_text("in the way")
+    out = tmp_path / "a_file" / "result"
+    with pytest.raises(OutputError, match=r"output folder .*a_file/result: cannot be created \(Not a directory\)"):
+        if source == "dicom":
+            write_ct_series(hu, tmp_path / "study")
+            run_study(tmp_path / "study", predictor, out)
+        else:
+            nib.save(nib.Nifti1Image(hu.transpose(2, 1, 0), np.eye(4)), tmp_path / "ct.nii.gz")
+            run_nifti(tmp_path / "ct.nii.gz", predictor, out)
+
+
 def test_pipeline_gives_the_same_pixels_as_the_app(demo_run, demo_study, tmp_path):
     """One core: the in-process pipeline (what the server runs) and the Holoscan app agree bit for bit."""
     result = run_study(demo_study[0], BundlePredictor.from_dir(DEMO_BUNDLE, device="cpu"), tmp_path)

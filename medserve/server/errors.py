@@ -3,6 +3,7 @@ can cause or meet (bad input, unknown model, full queue, DICOM store down)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 from http import HTTPStatus
 from pathlib import Path
@@ -112,6 +113,29 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
     message = f"{exc.detail}: {request.method} {request.url.path}"
     return _shaped(request, ApiError(exc.status_code, code, message, dict(exc.headers or {})))
+
+
+def disk_full(error: OSError) -> bool:
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def insufficient_storage(what: str) -> ApiError:
+    """The server's disk is full (or its quota used up) while it stores `what`: the client may retry later."""
+    return ApiError(507, "insufficient_storage", f"the server has no room left for {what}; retry later",
+                    {"Retry-After": "60"})
+
+
+async def os_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """An OSError no route turned into an answer. A full disk while a body, part or upload chunk is stored is a
+    507 the client can act on; anything else is ours, answered as `internal_error_handler` answers it. Being
+    answered here rather than by Starlette's outermost handler, it passes the middlewares (tus adds its
+    Tus-Resumable header)."""
+    assert isinstance(exc, OSError)
+    if disk_full(exc):
+        log.error("no room left on the server's disk on %s %s: %s", request.method, request.url.path, exc)
+        return _shaped(request, insufficient_storage("this request"))
+    log.error("the server failed on %s %s", request.method, request.url.path, exc_info=exc)
+    return await internal_error_handler(request, exc)
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

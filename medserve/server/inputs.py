@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
 
 from medserve.dicom.index import looks_like_dicom
-from medserve.server.errors import ApiError, header_int, shown
+from medserve.server.errors import ApiError, disk_full, header_int, insufficient_storage, shown
 from medserve.server.multipart import FilePart, MultipartReader, body_charset
 from medserve.server.streams import body_chunks, stalled
 
@@ -162,9 +162,8 @@ def _member_os_error(name: str, error: OSError) -> ApiError:
         return ApiError(400, "bad_zip", f"zip member {name!r} has a name too long for the file system (each part "
                         "of the path may have at most 255 bytes)")
     log.error("cannot store zip member %r: %s", name, error)
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ApiError(507, "insufficient_storage", "the server has no room left for this study; retry later",
-                        {"Retry-After": "60"})
+    if disk_full(error):
+        return insufficient_storage("this study")
     return ApiError(500, "input_failed", f"the server could not store zip member {name!r}: {error.strerror}")
 
 

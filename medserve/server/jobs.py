@@ -67,6 +67,14 @@ STOP_GRACE_S = 5.0  # how long a stopping server waits for running jobs to finis
 # A clean stop interrupts a job through no fault of its own: back to the queue, the attempt given back.
 REQUEUE_ON_STOP = ("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, "
                    "stage='requeued: the server stopped' WHERE state='running'")
+# A job whose worker could not record its progress or its end (the database refused a write: a full disk, a lock
+# held too long) goes back to the queue as after a crash: the attempt counts, and a result it saved is kept.
+PUT_BACK = ("UPDATE jobs SET state=CASE WHEN attempts >= ? THEN 'failed' ELSE 'queued' END, progress=0, "
+            "stage=CASE WHEN attempts >= ? THEN 'failed' ELSE 'requeued: the server could not record it' END, "
+            "error=CASE WHEN attempts >= ? THEN ? END, finished=CASE WHEN attempts >= ? THEN ? END "
+            "WHERE id=? AND state='running' RETURNING state")
+# Waits after a worker's failure (the database refusing writes): 1, 2, 4, ... seconds, at most this.
+_LONGEST_DATABASE_WAIT_S = 30.0
 
 
 class Cancelled(Exception):
@@ -354,13 +362,46 @@ class JobQueue:
         # then (a re-run after a restart) would fail for nothing.
         while not self._stop.is_set() and not self.store.scanned.wait(timeout=1.0):
             pass
+        stranded: str | None = None  # a job left `running` by a write the database refused
+        refusals = 0
         while not self._stop.is_set():
-            row = self._claim()
-            if row is None:
-                with self._wake:
-                    self._wake.wait(timeout=1.0)
-                continue
-            self._run(row)
+            try:
+                if stranded is not None:
+                    self._put_back(stranded)
+                    stranded = None
+                row = self._claim()
+                if row is None:
+                    with self._wake:
+                        self._wake.wait(timeout=1.0)
+                    continue
+                stranded = row["id"]
+                self._run(row)
+                stranded, refusals = None, 0
+            except ServerStopping:
+                return  # the database is closed, and `close` has requeued what was running
+            except Exception as error:  # a write the database refused, or a bug: the worker lives on
+                refusals += 1
+                wait = min(_LONGEST_DATABASE_WAIT_S, 2.0 ** (refusals - 1))
+                log.error("the job worker failed (%s: %s)%s; going on in %.0f s", type(error).__name__, error,
+                          f" while job {stranded} ran" if stranded else "", wait,
+                          exc_info=not isinstance(error, sqlite3.Error))
+                self._stop.wait(wait)
+
+    def _put_back(self, job_id: str) -> None:
+        """Requeue a job whose worker could not record it; fail it once it has used its attempts."""
+        limit = self.config.job_max_attempts
+        message = (f"the server could not record this job (its jobs database refused writes), and the job has used "
+                   f"its {limit} attempt(s); not retried again")
+        rows = self._exec(PUT_BACK, (limit, limit, limit, message, limit, time.time(), job_id))
+        if not rows:
+            return  # cancelled meanwhile
+        if rows[0]["state"] == "queued":
+            log.warning("job %s goes back to the queue: the server could not record it", job_id)
+            return
+        log.warning("job %s failed: %s", job_id, message)
+        for name in ("result.tmp", "result", "work"):
+            shutil.rmtree(self.job_dir(job_id) / name, ignore_errors=True)
+        self._drop_input(job_id)
 
     def _progress(self, job_id: str, stage: str, progress: float) -> None:
         """Record a stage of a running job; Cancelled when it is no longer running. A stopping server lets the
@@ -410,8 +451,8 @@ class JobQueue:
             if not self._succeed(job_id, timings):
                 raise Cancelled()
             log.info("job %s succeeded in %.2f s", job_id, timings["total_s"])
-        except ServerStopping:
-            raise
+        except (ServerStopping, sqlite3.Error):
+            raise  # not the job's fault; a refused write leaves it to the worker to put back (see `_work`)
         except Cancelled:
             log.info("job %s was cancelled; dropping its output", job_id)
             shutil.rmtree(tmp, ignore_errors=True)

@@ -878,3 +878,36 @@ def _start_and_stop(app) -> None:  # noqa: ANN001
             pass
 
     asyncio.run(lifespan())
+
+
+@pytest.mark.parametrize("max_attempts", [2, 1])
+def test_a_write_the_jobs_database_refuses_requeues_the_job_and_the_worker_goes_on(make_server, study: Path,
+                                                                                      max_attempts: int,
+                                                                                      caplog) -> None:
+    """Another process holds the database's write lock past sqlite's 5 s wait (a full disk refuses writes the
+    same way): the job's progress cannot be recorded. Its worker used to die, leaving the job `running` and every
+    later job `queued` until a restart. Now the job goes back to the queue, as after a crash, while it has
+    attempts left."""
+    server = with_thr(make_server(job_max_attempts=max_attempts))
+    url = server.url
+    with server.store.use("thr", lambda: None):  # the job waits, claimed, for the busy model
+        job = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait(url, job["id"], ("running",))
+        holder = sqlite3.connect(server.config.db_path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+    time.sleep(6.5)  # the worker's next write waits 5 s for the lock, then fails
+    holder.execute("ROLLBACK")
+    holder.close()
+    done = _wait(url, job["id"], ("succeeded", "failed"))
+    if max_attempts == 2:
+        assert done["state"] == "succeeded" and done["attempts"] == 2, done  # put back, run again
+    else:
+        assert done["state"] == "failed" and done["error"] == (
+            "the server could not record this job (its jobs database refused writes), and the job has used its 1 "
+            "attempt(s); not retried again"), done
+        _gone(server.config.jobs_dir / job["id"])  # a failed job keeps no folder
+    later = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+    assert _wait(url, later["id"], ("succeeded", "failed"))["state"] == "succeeded"
+    refused = [r.getMessage() for r in caplog.records if r.name == "medserve.server.jobs" and r.levelname == "ERROR"]
+    assert refused and refused[0].startswith(f"the job worker failed (OperationalError: database is locked) while "
+                                             f"job {job['id']} ran")

@@ -388,3 +388,18 @@ def test_a_start_drops_what_a_cut_checksummed_patch_wrote_and_nothing_else(tmp_p
     assert store._paths(cut.id)[0].read_bytes() == b"verified"
     assert store._paths(unstarted.id)[0].read_bytes() == b"verified" + b"unverified"[:8]
     assert not list(tmp_path.glob("*.pending"))
+
+
+def test_a_full_disk_under_a_patch_is_a_507_with_retry_after_and_tus_resumable(make_server) -> None:
+    """The server's disk full while a chunk is stored: the client can retry later (it was a 500 without the
+    header tus clients check)."""
+    server = make_server()
+    url = _create(server, 10)
+    data = _upload_file(server, url.rsplit("/", 1)[-1])
+    data.unlink()
+    data.symlink_to("/dev/full")  # every write there fails with ENOSPC, as on a full disk
+    response = _patch(url, b"0123456789", 0)
+    assert (response.status_code, response.headers.get("Tus-Resumable"), response.headers.get("Retry-After")) == (
+        507, "1.0.0", "60"), response.text
+    assert response.json() == {"error": "insufficient_storage",
+                               "message": "the server has no room left for this request; retry later"}
