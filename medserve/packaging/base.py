@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from medserve.errors import PackagingError
-from medserve.packaging import engine, layout
+from medserve.packaging import engine, layout, registry
 
 logger = logging.getLogger("medserve.packaging.base")
 
@@ -34,6 +34,7 @@ def image_exists(tag: str) -> bool:
 
 def build_base_image(tag: str = layout.DEFAULT_BASE_IMAGE, suite: str = "bookworm",
                      mirror: str = "http://deb.debian.org/debian") -> str:
+    registry.image_name(tag)  # before minutes of debootstrap; podman import refuses a bad name only at its end
     for tool in ("debootstrap", "podman"):
         if not engine.have(tool):
             raise PackagingError(f"building the base image needs {tool} (apt-get install {tool})")

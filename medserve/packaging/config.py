@@ -31,6 +31,7 @@ RESOURCE_KEYS = {
 }
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(Mi|MiB|Gi|GiB|MB|GB|m|g)\s*$")
 _MEMORY_KEYS = {"memory", "memoryLimit", "gpuMemory", "gpuMemoryLimit", "sharedMemory"}
+_SMALLEST_LIKELY_SHARED_MEMORY = 2**20  # less is most likely a unit left out
 
 
 def _camel_to_kebab(key: str) -> str:
@@ -110,6 +111,11 @@ def _check_resource_values(resources: dict[Any, Any], path: Path, field: str) ->
             raise PackagingError(f"{path}: {field}.{key} must be a whole number >= 0, got {value!r}")
         if key in _MEMORY_KEYS:
             _check_size(value, f"{path}: {field}.{key}")
+        if key == "sharedMemory":  # read at run time as `monai-deploy run` reads it: refused there if not here
+            size = shared_memory_bytes({"resources": {key: value}}, where=f"{path}: {field}.{key}")
+            if size < _SMALLEST_LIKELY_SHARED_MEMORY:
+                logger.warning("%s: %s.%s %r comes to %d bytes of /dev/shm (a bare number is bytes; e.g. 1Gi is "
+                               "a GiB)", path, field, key, value, size)
 
 
 def _is_number(value: Any) -> bool:
@@ -125,6 +131,29 @@ def _check_size(value: Any, where: str) -> None:
     amount = float(matched.group(1)) if matched else value if _is_number(value) else math.nan
     if not (_finite(amount) and amount > 0):
         raise PackagingError(f"{where} must be a size above zero like '2Gi', '512Mi', '1GB', got {value!r}")
+
+
+def shared_memory_bytes(pkg: dict[str, Any], where: str = "pkg.json resources.sharedMemory") -> int:
+    """/dev/shm size in bytes, read from pkg.json as `monai-deploy run --shm-size config` reads it: its units
+    (Mi/MiB and Gi/GiB binary, MB/m and GB/g decimal), the largest of the app's and its fragments' values, and
+    its default (1 GiB) when resources name none; docker and podman would read "m"/"g" as binary, and give
+    64 MB without the flag."""
+    from holoscan_cli.common.exceptions import InvalidSharedMemoryValueError
+    from holoscan_cli.runner.resources import get_shared_memory_size
+
+    resources = pkg.get("resources")
+    if isinstance(resources, dict):  # holoscan-cli expects a mapping of fragments, not null
+        pkg = {**pkg, "resources": {**resources, "fragments": resources.get("fragments") or {}}}
+    try:
+        size = int(get_shared_memory_size(pkg, False, False, None, "config"))
+    except (InvalidSharedMemoryValueError, TypeError, AttributeError, ValueError, OverflowError) as error:
+        reason = str(error).strip().rstrip(".")  # holoscan-cli's own messages end with ". "
+        raise PackagingError(f"{where}: {reason}. Expected a size such as 1Gi, 512Mi or "
+                             "2GB") from error
+    if size <= 0:  # --shm-size 0 is no limit at all under podman
+        raise PackagingError(f"{where}: comes to {size} bytes. Expected a size such as "
+                             "1Gi, 512Mi or 2GB, above zero")
+    return size
 
 
 def _written_text(text: str, keys: tuple[str, ...], loaded: Any) -> str:
@@ -215,6 +244,10 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     version = version_override or version
     if not version:
         raise PackagingError(f"{path}: required field application.version is missing (or pass --version)")
+    if not version.isprintable() or not version.strip() or any(character.isspace() for character in version):
+        # It becomes app.json's version and an image label; a newline would split the label's line.
+        where = "--version" if version_override else f"{path}: application.version"
+        raise PackagingError(f"{where} {version!r} must be one word of printable text, like 1.0.2")
 
     return AppConfig(
         path=path,

@@ -21,6 +21,7 @@ from typing import Any
 
 from medserve.errors import PackagingError
 from medserve.packaging import engine, layout, registry
+from medserve.packaging.config import shared_memory_bytes
 from medserve.packaging.manifest import requested_gpus
 from medserve.stopping import termination_as_interrupt
 
@@ -217,29 +218,6 @@ def _gpu_args(tool: str, pkg: dict[str, Any], wanted: int | str | tuple[int, ...
         return ["--gpus", "all" if wanted == "all" else f'"device={listed}"']
     # podman: CDI devices (nvidia-ctk cdi generate writes /etc/cdi/nvidia.yaml)
     return [arg for i in devices for arg in ("--device", f"nvidia.com/gpu={i}")]
-
-
-def shared_memory_bytes(pkg: dict[str, Any]) -> int:
-    """/dev/shm size in bytes, read from pkg.json as `monai-deploy run --shm-size config` reads it: its units
-    (Mi/MiB and Gi/GiB binary, MB/m and GB/g decimal), the largest of the app's and its fragments' values, and
-    its default (1 GiB) when resources name none; docker and podman would read "m"/"g" as binary, and give
-    64 MB without the flag."""
-    from holoscan_cli.common.exceptions import InvalidSharedMemoryValueError
-    from holoscan_cli.runner.resources import get_shared_memory_size
-
-    resources = pkg.get("resources")
-    if isinstance(resources, dict):  # holoscan-cli expects a mapping of fragments, not null
-        pkg = {**pkg, "resources": {**resources, "fragments": resources.get("fragments") or {}}}
-    try:
-        size = int(get_shared_memory_size(pkg, False, False, None, "config"))
-    except (InvalidSharedMemoryValueError, TypeError, AttributeError, ValueError, OverflowError) as error:
-        reason = str(error).strip().rstrip(".")  # holoscan-cli's own messages end with ". "
-        raise PackagingError(f"pkg.json resources.sharedMemory: {reason}. Expected a size such as 1Gi, 512Mi or "
-                             "2GB") from error
-    if size <= 0:  # --shm-size 0 is no limit at all under podman
-        raise PackagingError(f"pkg.json resources.sharedMemory: comes to {size} bytes. Expected a size such as "
-                             "1Gi, 512Mi or 2GB, above zero")
-    return size
 
 
 def run_argv(request: RunRequest, tool: str, app: dict[str, Any], pkg: dict[str, Any]) -> list[str]:

@@ -127,6 +127,15 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
          "resources.sharedMemory must be a size"),
         ("application: {title: T, version: '1'}\nresources: {sharedMemory: .nan}\n",
          "resources.sharedMemory must be a size"),
+        # packaged, then refused by every `medserve run` (/dev/shm of 0 bytes)
+        ("application: {title: T, version: '1'}\nresources: {sharedMemory: 0.4}\n",
+         "resources.sharedMemory: comes to 0 bytes. Expected a size such as 1Gi, 512Mi or 2GB, above zero"),
+        # a newline in app.json's version and the image label; spaces in a version
+        ("application: {title: T, version: \"1.0\\nLABEL evil=1\"}\nresources: {}\n",
+         "application.version '1.0\\nLABEL evil=1' must be one word of printable text, like 1.0.2"),
+        ("application: {title: T, version: '   '}\nresources: {}\n", "application.version '   ' must be one word"),
+        ("application: {title: T, version: 'not a version!'}\nresources: {}\n",
+         "application.version 'not a version!' must be one word"),
         ("application: {title: T, version: '1'}\nresources: {fragments: {f: {cpu: -3}}}\n",
          "resources.fragments.f.cpu must be a positive number"),
         ("application: {title: T, version: '1'}\nresources: {fragments: {f: {gpu: banana}}}\n",
@@ -148,6 +157,26 @@ def test_bad_app_yaml_names_file_and_field(tmp_path: Path, data: object, message
     assert message in str(error.value)
     assert str(path) in str(error.value) and "\n" not in str(error.value)
     assert isinstance(error.value, MedserveError)
+
+
+def test_a_bad_version_option_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(PackagingError, match=r"^--version '1.0\\nLABEL evil=1' must be one word of printable text"):
+        read_app_config(write(tmp_path, GOOD), version_override="1.0\nLABEL evil=1")
+
+
+def test_a_shared_memory_of_a_few_bytes_is_warned_about(tmp_path: Path, caplog) -> None:
+    """`sharedMemory: 1` (a GiB meant) gave the MAP a 4 kB /dev/shm without a word."""
+    read_app_config(write(tmp_path, {**GOOD, "resources": {**GOOD["resources"], "sharedMemory": 1}}))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"{tmp_path / 'app.yaml'}: resources.sharedMemory 1 comes to 1 bytes of /dev/shm (a bare number is bytes; "
+        "e.g. 1Gi is a GiB)"]
+
+
+def test_the_base_image_tag_is_checked_before_debootstrap() -> None:
+    from medserve.packaging import base
+
+    with pytest.raises(PackagingError, match="image name 'localhost/Probe Base:bad'"):
+        base.build_base_image("localhost/Probe Base:bad")
 
 
 def test_requirements_pip_reads_and_app_sections_misplaced_at_the_top(tmp_path: Path, caplog) -> None:
