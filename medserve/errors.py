@@ -65,3 +65,12 @@ def on_one_line(text: object) -> str:
     """A message with all its lines kept, joined by single spaces: for libraries that list one reason per line
     (pydicom names each decoder plugin's failure on a line of its own, where first_line would keep a header)."""
     return " ".join(str(text).split())
+
+
+def described(value: object) -> str:
+    """What a config built or held, for an error line: its type and the start of its repr."""
+    if value is None:
+        return "null"
+    text, kind = on_one_line(repr(value)), type(value).__qualname__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    return f"{article} {kind} ({text if len(text) <= 60 else text[:57] + '...'})"

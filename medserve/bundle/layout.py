@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from medserve.errors import BundleError
+import yaml
+
+from medserve.errors import BundleError, described
 from medserve.writers.labels import MAX_LABEL
 
 INFERENCE_CONFIG_NAMES = ("inference.json", "inference.yaml", "inference.yml")
@@ -85,19 +87,53 @@ class BundleLayout:
             metadata = json.loads(metadata_path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise BundleError(f"{metadata_path}: not valid JSON ({error})") from error
+        except OSError as error:
+            raise BundleError(f"{metadata_path}: cannot be read ({error.strerror or error})") from error
         if not isinstance(metadata, dict):
-            raise BundleError(f"{metadata_path}: expected a JSON object")
+            raise BundleError(f"{metadata_path}: holds {_object_found(metadata)}; expected a JSON object")
         _check_data_format(metadata, metadata_path)
         config_path = next((root / "configs" / n for n in INFERENCE_CONFIG_NAMES
                             if (root / "configs" / n).is_file()), None)
         if config_path is None:
             raise BundleError(f"bundle {root}: no inference config; expected configs/"
                               f"{' or configs/'.join(INFERENCE_CONFIG_NAMES)}")
+        _check_config_decodes(config_path)
         weights_path = next((root / "models" / n for n in WEIGHT_NAMES if (root / "models" / n).is_file()), None)
         if weights_path is None:
             raise BundleError(f"bundle {root}: no weights; expected models/model.pt or models/model.ts")
+        problem = weights_file_problem(weights_path)
+        if problem is not None:
+            raise BundleError(f"{weights_path}: {problem}")
         return cls(root=root, metadata_path=metadata_path, config_path=config_path, weights_path=weights_path,
                    metadata=metadata)
+
+
+def _check_config_decodes(path: Path) -> None:
+    """The inference config decodes, as monai.bundle's parser will read it, to a mapping of ids. Told when the
+    bundle is found (a store lists it, a MAP packages it) rather than when it is first loaded."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        config = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except Exception as error:  # json's, yaml's and the codec's own types, an unreadable file
+        raise BundleError(f"{path}: cannot read config ({type(error).__name__}: {error})") from error
+    if not isinstance(config, dict):
+        raise BundleError(f"{path}: the config is {described(config)}; expected a mapping of ids (network_def, "
+                          "preprocessing, inferer, postprocessing, ...)")
+
+
+def weights_file_problem(path: Path) -> str | None:
+    """Why a weights file cannot be what its name says, from its first bytes (no torch needed): torch.save
+    writes a zip archive (a legacy one, a pickle), TorchScript always a zip. None when it may be."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(4)
+    except OSError as unreadable:
+        return f"cannot be read ({unreadable.strerror or unreadable})"
+    if head.startswith(b"PK\x03\x04") or (path.suffix == ".pt" and head[:1] == b"\x80"):
+        return None
+    if path.suffix == ".ts":
+        return "not a TorchScript file (the zip archive torch.jit.save writes)"
+    return "not a PyTorch weights file (neither the zip archive torch.save writes nor a pickle)"
 
 
 def _check_data_format(metadata: dict[str, Any], path: Path) -> None:

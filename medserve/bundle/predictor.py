@@ -38,10 +38,10 @@ from monai.utils import CommonKeys, ensure_tuple
 
 from medserve.bundle.argmax import MaxIndicesArgmax, class_indices
 from medserve.bundle.imports import bundle_code
-from medserve.bundle.layout import INFERENCE_CONFIG_NAMES, BundleLayout
+from medserve.bundle.layout import INFERENCE_CONFIG_NAMES, BundleLayout, weights_file_problem
 from medserve.dicom.volume import lps_affine, ras_affine
-from medserve.errors import (BundleError, InferenceError, InferenceOutOfMemory, first_line, on_one_line,
-                             one_line)
+from medserve.errors import (BundleError, InferenceError, InferenceOutOfMemory, described, first_line,
+                             on_one_line, one_line)
 from medserve.writers.labels import MAX_LABEL
 
 log = logging.getLogger("medserve.bundle")
@@ -604,10 +604,7 @@ def _parse_config(layout: BundleLayout, device: torch.device) -> ConfigParser:
         config = ConfigParser.load_config_file(str(layout.config_path))
     except Exception as error:  # json/yaml decoders raise their own types
         raise BundleError(f"{layout.config_path}: cannot read config ({type(error).__name__}: {error})") from error
-    if not isinstance(config, dict):
-        raise BundleError(f"{layout.config_path}: the config is {_described(config)}; expected a mapping of ids "
-                          f"(network_def, preprocessing, inferer, postprocessing, ...)")
-    parser.read_config(config)
+    parser.read_config(config)  # a mapping: BundleLayout.find checked the file decodes to one
     required = ("preprocessing", "inferer") if layout.weights_path.suffix == ".ts" else \
         ("network_def", "preprocessing", "inferer")  # TorchScript holds its network
     for key in required:
@@ -739,7 +736,7 @@ def build_network(config_path: Path, parser: ConfigParser) -> torch.nn.Module:
     """Instantiate network_def, dropping arguments MONAI has since removed when a published config passes them."""
     network = _instantiated_network(config_path, parser)
     if not isinstance(network, torch.nn.Module):  # a list, a string, a transform: it has no weights to load
-        raise BundleError(f"{config_path}: network_def builds {_described(network)}; expected a torch.nn.Module "
+        raise BundleError(f"{config_path}: network_def builds {described(network)}; expected a torch.nn.Module "
                           f"(a `_target_` naming a network class, e.g. monai.networks.nets.UNet)")
     return network
 
@@ -762,15 +759,6 @@ def _instantiated_network(config_path: Path, parser: ConfigParser) -> Any:
         return parser.get_parsed_content("network_def", instantiate=True, lazy=False)
     except Exception as error:  # any network constructor argument can be wrong
         raise BundleError(f"{config_path}: cannot build network_def ({error})") from error
-
-
-def _described(value: Any) -> str:
-    """What a config built or held, for an error line: its type and the start of its repr."""
-    if value is None:
-        return "null"
-    text, kind = on_one_line(repr(value)), type(value).__qualname__
-    article = "an" if kind[:1].lower() in "aeiou" else "a"
-    return f"{article} {kind} ({text if len(text) <= 60 else text[:57] + '...'})"
 
 
 def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.device) -> torch.nn.Module:
@@ -803,13 +791,9 @@ def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.devi
 def _unreadable_weights(path: Path, error: Exception) -> str:
     """Why torch.load refused a model.pt, in words: its own text is a KeyError of a stray byte for a file that is
     no torch file at all, and advice to unpickle unsafely for a pickled model."""
-    try:
-        with open(path, "rb") as stream:
-            head = stream.read(4)
-    except OSError as unreadable:
-        return f"cannot be read ({unreadable.strerror or unreadable})"
-    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):  # torch.save's zip, or a legacy pickle
-        return "not a PyTorch weights file (neither the zip archive torch.save writes nor a pickle)"
+    problem = weights_file_problem(path)
+    if problem is not None:
+        return problem
     refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
     if refused:
         return (f"holds a pickled {refused.group(1)} object, which medserve does not unpickle (unpickling can run "

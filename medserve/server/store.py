@@ -26,7 +26,6 @@ Rules (documented in the README):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -42,6 +41,7 @@ from typing import Any
 
 import anyio
 
+from medserve.bundle.layout import BundleLayout
 from medserve.errors import BundleError, MedserveError
 from medserve.server.config import ServerConfig
 from medserve.server.errors import ApiError, client_message, shown
@@ -108,23 +108,6 @@ def fingerprint(folder: Path) -> Fingerprint:
             except FileNotFoundError:
                 continue
     return tuple(sorted(items))
-
-
-def read_metadata(folder: Path) -> dict[str, Any]:
-    """configs/metadata.json, read without loading the model, so listings show version and description."""
-    path = folder / "configs" / "metadata.json"
-    try:
-        metadata = json.loads(path.read_text())
-    except FileNotFoundError as error:
-        raise BundleError(f"{folder.name}: no configs/metadata.json in the bundle") from error
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise BundleError(f"{folder.name}: configs/metadata.json is not valid JSON: {error}") from error
-    except OSError as error:
-        raise BundleError(f"{folder.name}: configs/metadata.json cannot be read ({error.strerror})") from error
-    if not isinstance(metadata, dict):
-        raise BundleError(f"{folder.name}: configs/metadata.json holds a JSON {type(metadata).__name__}; expected "
-                          f"an object")
-    return metadata
 
 
 @dataclass(eq=False)
@@ -427,7 +410,9 @@ class ModelStore:
             entry.loaded_fp = fp
             return
         try:
-            meta = read_metadata(entry.path)
+            # The files the app needs, its metadata, a config that decodes, weights that may be weights: a
+            # bundle that cannot load is `failed` now, not when a request first loads it.
+            meta = BundleLayout.find(entry.path).metadata
         except MedserveError as error:
             log.warning("bundle %s is broken: %s", entry.name, error)
             entry.state, entry.error, entry.loaded_fp = "failed", self._reason(error), fp

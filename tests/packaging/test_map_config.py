@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from holoscan_cli.packager.config_reader import ApplicationConfiguration
 from holoscan_cli.packager.models import Models
@@ -55,7 +56,7 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
     (bundle / "models").mkdir()
     (bundle / "configs" / "metadata.json").write_text("{}")
     (bundle / "configs" / "inference.json").write_text("{}")
-    (bundle / "models" / "model.pt").write_bytes(b"weights")
+    torch.save({"weight": torch.zeros(1)}, bundle / "models" / "model.pt")
     return bundle
 
 
@@ -244,6 +245,21 @@ def test_a_bundle_the_app_could_not_load_is_not_packaged(tmp_path: Path, inside:
                                              rf"{reason}\)"):
         prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1",
                                models=tmp_path / "models" if inside else bundle))
+
+
+@pytest.mark.parametrize(("breakage", "reason"), [
+    ("config", r"configs/inference.json: cannot read config \(JSONDecodeError: "),
+    ("empty weights", r"models/model.pt: not a PyTorch weights file"),
+])
+def test_a_bundle_whose_files_the_app_cannot_read_is_not_packaged(tmp_path: Path, breakage: str, reason: str) -> None:
+    """Both were packaged, and the MAP then failed on every run."""
+    bundle = make_bundle(tmp_path / "models")
+    if breakage == "config":
+        (bundle / "configs" / "inference.json").write_text("{ broken")
+    else:
+        (bundle / "models" / "model.pt").write_bytes(b"")
+    with pytest.raises(PackagingError, match=rf"models path .*demo: not a usable MONAI bundle \(.*demo/{reason}"):
+        prepare(PackageRequest(make_app(tmp_path), write(tmp_path, GOOD), "x:1", models=bundle))
 
 
 def test_packaging_checks_bundles_without_importing_torch() -> None:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import SESSION, free_port, podman, podman_run, remove_image
 from medserve.cli import main as cli_main
@@ -67,7 +68,7 @@ def toy(tmp_path_factory: pytest.TempPathFactory, wheel_dir_for) -> dict[str, Pa
     (bundle / "models").mkdir()
     (bundle / "configs" / "metadata.json").write_text("{}")
     (bundle / "configs" / "inference.json").write_text("{}")
-    (bundle / "models" / "model.pt").write_bytes(b"not really weights")
+    torch.save({"weight": torch.zeros(1)}, bundle / "models" / "model.pt")
     (root / "docs").mkdir()
     (root / "docs" / "README.md").write_text("toy docs\n")
     # pyyaml plus the MONAI Deploy App SDK and Holoscan every MAP gets
@@ -131,7 +132,7 @@ def _tools(image: str, *args: str, volumes: tuple[str, ...] = ()) -> subprocess.
     return podman_run(image, *args, volumes=volumes)
 
 
-def test_entrypoint_show_env_extract(toy_image: str, tmp_path: Path) -> None:
+def test_entrypoint_show_env_extract(toy_image: str, toy: dict[str, Path], tmp_path: Path) -> None:
     shown = _tools(toy_image, "show", "pkg")
     assert shown.returncode == 0, shown.stderr
     assert json.loads(shown.stdout[shown.stdout.index("{"):])["models"] == {
@@ -146,7 +147,8 @@ def test_entrypoint_show_env_extract(toy_image: str, tmp_path: Path) -> None:
     assert (export / "app" / "app.py").is_file()
     assert json.loads((export / "config" / "app.json").read_text())["version"] == "0.3"
     assert (export / "config" / "app.yaml").is_file()
-    assert (export / "models" / "toy_bundle" / "models" / "model.pt").read_bytes() == b"not really weights"
+    assert (export / "models" / "toy_bundle" / "models" / "model.pt").read_bytes() == (
+        toy["models"] / "models" / "model.pt").read_bytes()
     assert (export / "docs" / "README.md").is_file()
 
 

@@ -125,7 +125,7 @@ def test_malformed_requests_give_400_before_inference(make_server) -> None:
     broken = thr_server.config.store / "broken"
     shutil.copytree(thr_server.config.store / "thr", broken)
     (broken / "models" / "model.pt").write_bytes(b"not a torch file")
-    thr_server.store.wait_until("broken", ("available",), 30)
+    thr_server.store.wait_until("broken", ("failed",), 30)  # told from the file, before any load
     r = httpx.post(thr_server.url + "/v2/models/broken/infer", json={"inputs": [tensor]})
     assert r.status_code == 409 and "failed to load" in r.json()["error"], r.text
 

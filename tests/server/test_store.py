@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from tests.server.conftest import (ServerThread, add_bundle, bundle_snapshot, multipart_files, small_study, wait_http,
                                    with_thr)
@@ -244,7 +245,8 @@ def test_readiness_waits_for_preloaded_models(base_config, held_loads: threading
     load on their own do not hold readiness back."""
     release = held_loads
     add_bundle(base_config.store, "demo")
-    (add_bundle(base_config.store, "broken") / "models" / "model.pt").write_bytes(b"not a torch checkpoint")
+    # Weights that fail only when loaded: a torch file that does not fit the network.
+    torch.save({"unrelated": torch.zeros(1)}, add_bundle(base_config.store, "broken") / "models" / "model.pt")
     server = ServerThread(replace(base_config, preload=preload))
     server.thread.start()
     try:
@@ -379,11 +381,37 @@ def test_map_descriptor_fields_are_checked_when_read(tmp_path: Path, descriptor:
     assert MapModel.from_file(path).gpus == "device=1"
 
 
+def _settled_without_loading(config) -> dict[str, tuple[str, str | None]]:
+    """Each model's (state, error) once the store's files have settled, with no room to load any."""
+    from medserve.server.store import ModelStore
+
+    store = ModelStore(replace(config, stable_seconds=0.0, max_models=0))
+    try:
+        for _ in range(2):  # the first pass sees the files, the second finds them unchanged
+            store.scan()
+        return {entry.name: (entry.state, entry.error) for entry in store.entries()}
+    finally:
+        store.stop()
+
+
+def test_a_bundle_that_cannot_load_is_failed_when_found_even_with_no_room_to_load_it(base_config) -> None:
+    """With --max-models full, nothing is loaded eagerly: a config that is not JSON or empty weights were listed
+    `available` (and /readyz said so) until a request failed on them."""
+    root = Path(base_config.store)
+    (add_bundle(root, "bad_config") / "configs" / "inference.json").write_text("{ broken")
+    (add_bundle(root, "empty_weights") / "models" / "model.pt").write_bytes(b"")
+    add_bundle(root, "good")
+    states = _settled_without_loading(base_config)
+    assert states["good"] == ("available", None), states
+    assert states["bad_config"][0] == "failed" and states["bad_config"][1].startswith(
+        "bad_config/configs/inference.json: cannot read config (JSONDecodeError: "), states
+    assert states["empty_weights"] == ("failed", "empty_weights/models/model.pt: not a PyTorch weights file (neither "
+                                                 "the zip archive torch.save writes nor a pickle)"), states
+
+
 def test_one_unreadable_model_does_not_keep_the_others_from_settling(base_config, tmp_path: Path) -> None:
     """A metadata.json that is not an object, a folder named like a MAP descriptor and a folder whose name cannot
     be a model name: each is failed or ignored on its own; the bundle listed beside them settles."""
-    from medserve.server.store import ModelStore
-
     root = Path(base_config.store)
     good = add_bundle(root, "good")
     broken = add_bundle(root, "broken")
@@ -391,16 +419,10 @@ def test_one_unreadable_model_does_not_keep_the_others_from_settling(base_config
     (root / "e.map.json").mkdir()
     (root / "e.map.json" / "notes.txt").write_text("not a descriptor")
     shutil.copytree(good, root / "v1..2")
-    store = ModelStore(replace(base_config, stable_seconds=0.0, max_models=0))
-    try:
-        for _ in range(2):  # the first pass sees the files, the second finds them unchanged
-            store.scan()
-        states = {entry.name: (entry.state, entry.error) for entry in store.entries()}
-    finally:
-        store.stop()
+    states = _settled_without_loading(base_config)
     assert states["good"] == ("available", None), states
-    assert states["broken"][0] == "failed" and "holds a JSON list; expected an object" in states["broken"][1]
-    assert states["e.map.json"][0] == "failed" and "no configs/metadata.json" in states["e.map.json"][1]
+    assert states["broken"][0] == "failed" and "holds a JSON array; expected a JSON object" in states["broken"][1]
+    assert states["e.map.json"][0] == "failed" and "configs/metadata.json is missing" in states["e.map.json"][1]
     assert "v1..2" not in states
 
 
