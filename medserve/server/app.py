@@ -61,11 +61,18 @@ def requested_format(options: dict[str, Any]) -> str | None:
 
 def choose_format(request: Request, options: dict[str, Any], spec: InputSpec) -> str:
     """`?format=` / form field wins, then Accept, then the natural output of the input (SEG for DICOM)."""
-    available = ["nifti"] if spec.kind == "nifti" else ["seg", "nifti"]
-    fmt = requested_format(options) or preferred_format(request.headers.get("accept", ""), available)
-    if fmt not in available:
-        raise ApiError(406, "format_unavailable", "a NIfTI input can only produce a NIfTI label map")
+    fmt = requested_format(options) or preferred_format(request.headers.get("accept", ""), _formats_of(spec))
+    _check_available(fmt, spec)
     return fmt
+
+
+def _formats_of(spec: InputSpec) -> list[str]:
+    return ["nifti"] if spec.kind == "nifti" else ["seg", "nifti"]
+
+
+def _check_available(fmt: str, spec: InputSpec) -> None:
+    if fmt not in _formats_of(spec):
+        raise ApiError(406, "format_unavailable", "a NIfTI input can only produce a NIfTI label map")
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -286,7 +293,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                 store.entry(model)
             if existing is None or existing["model"] == model:  # a name known to the store (or once)
                 count.model = model
-            requested_format(options)  # a job writes both formats: a wrong one is still a mistake to say
+            requested_format(options)  # before the study is read; the job keeps it as its result's format
             return model
 
         if named:
@@ -306,8 +313,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             writeback = writeback_option(options)
             if writeback and spec.kind != "dicomweb":
                 raise ApiError(400, "writeback_needs_dicomweb", "writeback only applies to DICOMweb inputs")
+            result_format = requested_format(options)
+            if result_format is not None:
+                _check_available(result_format, spec)
             try:
-                job = jobs.submit(job_id, model, spec, writeback, key)
+                job = jobs.submit(job_id, model, spec, writeback, key, result_format)
             except IdempotencyKeyTaken as taken:  # the same key's other request won the race: answer as a replay
                 return _replayed(taken.job, model)
         except BaseException:

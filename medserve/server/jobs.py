@@ -132,6 +132,8 @@ class JobQueue:
             self._add_writeback_result()
         if "segmented" not in columns:  # jobs from before it read `segmented: null` (not recorded)
             self._db.execute("ALTER TABLE jobs ADD COLUMN segmented TEXT")
+        if "result_format" not in columns:  # jobs from before it read `format: null` (the SEG first)
+            self._db.execute("ALTER TABLE jobs ADD COLUMN result_format TEXT")
 
     def _exec(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -193,12 +195,14 @@ class JobQueue:
         rows = self._exec("SELECT * FROM jobs WHERE idempotency_key=?", (key,))
         return self._public(rows[0]) if rows else None
 
-    def submit(self, job_id: str, model: str, spec: InputSpec, writeback: bool, key: str | None) -> dict[str, Any]:
+    def submit(self, job_id: str, model: str, spec: InputSpec, writeback: bool, key: str | None,
+               result_format: str | None = None) -> dict[str, Any]:
+        """Queue a job; `result_format` is the result format it asked for, served when fetching names none."""
         try:
-            self._exec("INSERT INTO jobs (id, model, state, stage, input, writeback, idempotency_key, created) "
-                       "VALUES (?, ?, 'queued', 'queued', ?, ?, ?, ?)",
+            self._exec("INSERT INTO jobs (id, model, state, stage, input, writeback, idempotency_key, created, "
+                       "result_format) VALUES (?, ?, 'queued', 'queued', ?, ?, ?, ?, ?)",
                        (job_id, model, json.dumps(self._stored_input(job_id, spec)), int(writeback), key,
-                        time.time()))
+                        time.time(), result_format))
         except sqlite3.IntegrityError as error:  # a concurrent request with the same Idempotency-Key won
             shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
             existing = self.find_idempotent(key or "")
@@ -256,7 +260,7 @@ class JobQueue:
             "timings": {k: round(v, 4) for k, v in json.loads(row["timings"]).items()} if row["timings"] else {},
             "segments": json.loads(row["segments"]) if row["segments"] else None,
             "segmented": json.loads(row["segmented"]) if row["segmented"] else None,
-            "outputs": sorted(outputs), "error": row["error"],
+            "outputs": sorted(outputs), "format": row["result_format"], "error": row["error"],
             "result_url": f"/v1/jobs/{row['id']}/result" if row["state"] == "succeeded" else None,
             "writeback_result": self._writeback_result(row),
         }
@@ -272,14 +276,16 @@ class JobQueue:
         return {"target": self.config.dicomweb_url, "state": state, "error": None}
 
     def result_path(self, job_id: str, choose: Callable[[list[str]], str]) -> tuple[Path, str]:
-        """The file of a succeeded job's result in the format `choose` picks from the job's outputs (SEG first)."""
+        """The file of a succeeded job's result in the format `choose` picks from the job's outputs: the format the
+        job asked for first, else the SEG."""
         row = self._row(job_id)
         if row["state"] != "succeeded":
             detail = f": {row['error']}" if row["error"] else ""
             raise ApiError(409, "job_not_finished" if row["state"] not in FINAL else "job_has_no_result",
                            f"job {job_id} is {row['state']}{detail}")
         outputs: dict[str, str] = json.loads(row["outputs"] or "{}")
-        fmt = choose(sorted(outputs, key=("seg", "nifti").index))
+        asked = row["result_format"]
+        fmt = choose(sorted(outputs, key=lambda name: (name != asked, ("seg", "nifti").index(name))))
         if fmt not in outputs:
             raise ApiError(406, "format_unavailable", f"job {job_id} has no {fmt} output (has {sorted(outputs)})")
         path = self.job_dir(job_id) / "result" / outputs[fmt]

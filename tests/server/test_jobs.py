@@ -17,6 +17,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
+import nibabel as nib
+import numpy as np
 import pydicom
 import pytest
 
@@ -911,3 +913,25 @@ def test_a_write_the_jobs_database_refuses_requeues_the_job_and_the_worker_goes_
     refused = [r.getMessage() for r in caplog.records if r.name == "medserve.server.jobs" and r.levelname == "ERROR"]
     assert refused and refused[0].startswith(f"the job worker failed (OperationalError: database is locked) while "
                                              f"job {job['id']} ran")
+
+
+def test_a_jobs_format_is_the_format_its_result_is_served_in(thr_server, study: Path, tmp_path: Path) -> None:
+    """`format=nifti` on a job was checked and then dropped: the result came back as the SEG."""
+    url = thr_server.url
+    job = httpx.post(url + "/v1/jobs?model=thr&format=nifti", files=multipart_files(study)).json()
+    assert job["format"] == "nifti", job
+    assert _wait(url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
+    result = httpx.get(f"{url}/v1/jobs/{job['id']}/result")
+    assert result.headers["content-type"] == "application/gzip" and result.content[:2] == b"\x1f\x8b", result.headers
+    assert httpx.get(f"{url}/v1/jobs/{job['id']}/result?format=seg").headers["content-type"] == "application/dicom"
+    assert httpx.get(f"{url}/v1/jobs/{job['id']}/result",
+                     headers={"Accept": "application/dicom"}).headers["content-type"] == "application/dicom"
+    plain = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+    assert plain["format"] is None and _wait(url, plain["id"], ("succeeded", "failed"))["state"] == "succeeded"
+    assert httpx.get(f"{url}/v1/jobs/{plain['id']}/result").headers["content-type"] == "application/dicom"
+    # A NIfTI input has no SEG to ask for: refused when submitted, as a sync request is
+    nifti = tmp_path / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(np.zeros((8, 8, 4), np.float32), np.eye(4)), nifti)
+    refused = httpx.post(url + "/v1/jobs?model=thr&format=seg",
+                         files={"file": ("ct.nii.gz", nifti.read_bytes(), "application/gzip")})
+    assert (refused.status_code, refused.json()["error"]) == (406, "format_unavailable"), refused.text
