@@ -263,6 +263,28 @@ def _make_output(path: Path) -> None:
         raise PackagingError(f"output folder {path} cannot be created: {error.strerror}") from error
 
 
+def _check_links_stay_inside(folder: Path, shown: int = 3) -> None:
+    """Only the -i folder is mounted: a symbolic link in it that names an absolute path, or leaves the folder,
+    dangles in the container, where the app would skip its file as a broken link and segment what is left."""
+    root = os.path.realpath(folder)
+    broken: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # linked folders are listed, not entered
+        for name in (*dirnames, *filenames):
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                continue
+            target = os.readlink(path)
+            resolved = os.path.realpath(path)
+            if os.path.isabs(target) or os.path.commonpath([root, resolved]) != root:
+                broken.append(f"{path} -> {target}")
+    if broken:
+        more = f" and {len(broken) - shown} more" if len(broken) > shown else ""
+        raise PackagingError(f"input folder {folder}: {len(broken)} symbolic link(s) name an absolute path or one "
+                             f"outside it ({'; '.join(broken[:shown])}{more}); the container sees only this folder, "
+                             "where they would be broken. Copy the study with its links followed (cp -rL), or "
+                             "make the links relative, within the folder")
+
+
 def prepare(request: RunRequest) -> list[str]:
     """Check the request, read the image's manifests and return the engine command line that runs it; the
     model server runs that itself to capture the container's log. The output folder is created only once the
@@ -277,6 +299,8 @@ def prepare(request: RunRequest) -> list[str]:
         if path is not None and ":" in str(path.resolve()):
             raise PackagingError(f"{flag} {path}: the engines' -v SOURCE:TARGET cannot mount a path holding ':'; "
                                  "rename it, or copy it to a path without one")
+    if request.input is not None:
+        _check_links_stay_inside(request.input)
     if request.output is not None:
         _check_output(request.output)
     wanted_gpus(request.gpus)

@@ -375,3 +375,28 @@ def test_a_second_sigterm_does_not_cut_the_first_ones_clean_up_short() -> None:
                 cleaned.append(True)
     assert cleaned == [True]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+
+
+def test_links_out_of_the_input_folder_are_refused_before_the_engine(no_engine_calls: list, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """They work with `python app.py` but dangle in the container, where the app skipped them as broken links and
+    segmented the rest (or said no DICOM was found)."""
+    files = tmp_path / "files"
+    files.mkdir()
+    for name in ("IM1.dcm", "IM2.dcm"):
+        (files / name).write_bytes(b"DICM")
+    study = tmp_path / "study"
+    (study / "sub").mkdir(parents=True)
+    (study / "sub" / "IM0.dcm").write_bytes(b"DICM")
+    (study / "same.dcm").symlink_to("sub/IM0.dcm")  # relative, within the folder: fine in the container
+    (study / "IM1.dcm").symlink_to(files / "IM1.dcm")  # absolute
+    (study / "sub" / "IM2.dcm").symlink_to("../../files/IM2.dcm")  # relative, leaving the folder
+    assert cli_main(["run", "img:1", "-i", str(study), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: input folder {study}: 2 symbolic link(s) name an absolute path or one outside it "
+                          f"({study / 'IM1.dcm'} -> {files / 'IM1.dcm'}; {study / 'sub' / 'IM2.dcm'} -> "
+                          "../../files/IM2.dcm); the container sees only this folder"), err
+    assert no_engine_calls == [] and not (tmp_path / "out").exists()
+    (study / "IM1.dcm").unlink()
+    (study / "sub" / "IM2.dcm").unlink()
+    map_run._check_links_stay_inside(study)  # a relative link within the folder is left alone
