@@ -307,6 +307,8 @@ def prepare(request: RunRequest) -> list[str]:
     app, pkg = read_manifests(request.image, tool)
     if request.output is not None:
         _make_output(request.output)
+    else:
+        logger.warning("no -o: what the app writes stays in its container, which is removed when the app ends")
     return run_argv(request, tool, app, pkg)
 
 

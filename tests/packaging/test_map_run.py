@@ -400,3 +400,16 @@ def test_links_out_of_the_input_folder_are_refused_before_the_engine(no_engine_c
     (study / "IM1.dcm").unlink()
     (study / "sub" / "IM2.dcm").unlink()
     map_run._check_links_stay_inside(study)  # a relative link within the folder is left alone
+
+
+def test_a_run_without_an_output_folder_says_its_results_are_not_kept(no_engine_calls: list, tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """It printed "wrote /var/holoscan/output/seg.dcm" and exited 0, the files gone with the container."""
+    study = tmp_path / "study"
+    study.mkdir()
+    map_run.prepare(RunRequest("img:1", input=study, output=None))
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "no -o: what the app writes stays in its container, which is removed when the app ends"]
+    caplog.clear()
+    map_run.prepare(RunRequest("img:1", input=study, output=tmp_path / "out"))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
