@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,8 +81,11 @@ def segmentation_of(source: LoadedSeries | list[Dataset], label_map: np.ndarray,
 
 
 def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path | str, *,
-              rules: dict[str, Any] | None = None, nifti: bool = True) -> StudyResult:
-    """Segment the first selected series of the study in `study_dir`; write `seg.dcm` (+ `labels.nii.gz`)."""
+              rules: dict[str, Any] | None = None, nifti: bool = True,
+              on_stage: Callable[[str, float], None] | None = None) -> StudyResult:
+    """Segment the first selected series of the study in `study_dir`; write `seg.dcm` (+ `labels.nii.gz`).
+    `on_stage(stage, progress)` is told as each stage starts (a job's progress); it may raise to stop the run
+    between stages."""
     timings: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -91,12 +95,16 @@ def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path |
         timings[name] = round(now - clock, 4)
         clock = now
 
+    report = on_stage or (lambda stage, progress: None)
+    report("loading the study", 0.35)
     index = index_folder(study_dir)
     selected = first_selected(select_series(index, rules)).series
     source = load_series(selected)
     lap("load")
+    report("inferring", 0.45)
     label_map = predictor.predict(source.volume)
     lap("inference")
+    report("writing the results", 0.8)
     out = Path(out_dir)
     writable_folder(out)  # an OutputError naming it, as the writers' own failures are
     seg_path = write_seg(segmentation_of(source, label_map, predictor), out / SEG_NAME)

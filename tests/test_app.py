@@ -121,6 +121,31 @@ def test_pipeline_names_an_output_folder_it_cannot_create(tmp_path, source):
             run_nifti(tmp_path / "ct.nii.gz", predictor, out)
 
 
+def test_pipeline_reports_its_stages_and_a_stage_report_may_stop_it(tmp_path):
+    """A job showed "inferring" at 0.4 through loading, inference and writing; a cancel now stops it between them."""
+    from medserve.demo.study import write_ct_series
+    from tests.conftest import make_threshold_bundle
+
+    hu = np.full((4, 12, 12), -50.0, np.float32)
+    hu[1:3, 3:9, 3:9] = 300
+    write_ct_series(hu, tmp_path / "study")
+    predictor = BundlePredictor.from_dir(make_threshold_bundle(tmp_path / "thr"), device="cpu")
+    stages: list[tuple[str, float]] = []
+    run_study(tmp_path / "study", predictor, tmp_path / "out", on_stage=lambda *stage: stages.append(stage))
+    assert stages == [("loading the study", 0.35), ("inferring", 0.45), ("writing the results", 0.8)]
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_writing(stage: str, progress: float) -> None:
+        if stage == "writing the results":
+            raise Stop()
+
+    with pytest.raises(Stop):
+        run_study(tmp_path / "study", predictor, tmp_path / "stopped", on_stage=stop_at_writing)
+    assert not (tmp_path / "stopped").exists()
+
+
 def test_pipeline_gives_the_same_pixels_as_the_app(demo_run, demo_study, tmp_path):
     """One core: the in-process pipeline (what the server runs) and the Holoscan app agree bit for bit."""
     result = run_study(demo_study[0], BundlePredictor.from_dir(DEMO_BUNDLE, device="cpu"), tmp_path)

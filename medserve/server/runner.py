@@ -50,18 +50,22 @@ def pull(config: ServerConfig, spec: InputSpec, dest: Path, retry: bool,
     return InputSpec("dicom", folder, spec.study, spec.series)
 
 
-def _run(predictor: Any, spec: InputSpec, out_dir: Path, nifti: bool, queued: float, start: float) -> Outcome:
+def _run(predictor: Any, spec: InputSpec, out_dir: Path, nifti: bool, queued: float, start: float,
+         on_stage: Callable[[str, float], None] | None = None) -> Outcome:
     """Once admitted, with the predictor at hand (loaded just now on a cold start): the pipeline."""
     from medserve import pipeline
 
     timings = {"queue_s": queued, "model_s": time.monotonic() - start - queued}
     run_start = time.monotonic()
+    report = on_stage or (lambda stage, progress: None)
     if isinstance(predictor, MapModel):
+        report("running the MAP", 0.4)  # one step, as far as this process can see
         result = predictor.run(spec, out_dir)
     elif spec.kind == "nifti":
+        report("inferring", 0.4)
         result = pipeline.run_nifti(spec.path, predictor, out_dir)
     else:
-        result = pipeline.run_study(spec.path, predictor, out_dir, nifti=nifti)
+        result = pipeline.run_study(spec.path, predictor, out_dir, nifti=nifti, on_stage=on_stage)
     timings["pipeline_s"] = time.monotonic() - run_start
     for key, value in (getattr(result, "timings", None) or {}).items():
         timings[f"pipeline.{key}"] = float(value)
@@ -85,8 +89,7 @@ def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nif
                 if error.code != "model_settling":
                     raise
                 continue  # its files started changing while the job waited for its turn: wait again, outside
-            on_stage("inferring", 0.4)
-            return _run(predictor, spec, out_dir, nifti, queued, start)
+            return _run(predictor, spec, out_dir, nifti, queued, start, on_stage)
 
 
 def _settled_predictor(store: ModelStore, name: str, check: Callable[[], None]) -> Any:
