@@ -153,7 +153,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         try:
             store.start()
             jobs.start()
-            sweeper = asyncio.create_task(_sweep(upload_store))
+            sweeper = asyncio.create_task(_sweep(upload_store, jobs))
             log.info("serving store %s, data in %s", config.store, config.data_dir)
             yield
         finally:
@@ -362,11 +362,16 @@ def create_app(config: ServerConfig) -> FastAPI:
     return app
 
 
-async def _sweep(upload_store: UploadStore) -> None:
-    """Expired tus uploads go away in the background (the expiration extension)."""
+async def _sweep(upload_store: UploadStore, jobs: JobQueue) -> None:
+    """Expired tus uploads (the expiration extension) and finished jobs past their retention go away in the
+    background."""
     while True:
         await asyncio.sleep(60)
         with contextlib.suppress(Exception):
             gone = await anyio.to_thread.run_sync(upload_store.sweep)
             if gone:
                 log.info("removed %d expired uploads", gone)
+        with contextlib.suppress(Exception):
+            gone = await anyio.to_thread.run_sync(jobs.sweep_finished)
+            if gone:
+                log.info("removed %d finished jobs past their retention", gone)

@@ -87,6 +87,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--job-workers", type=_at_least(1, int), default=1, help="threads running async jobs")
     serve.add_argument("--job-max-attempts", type=_at_least(1, int), default=2,
                        help="runs of a job a server crash may interrupt before it is failed (default 2)")
+    serve.add_argument("--job-retention-hours", type=_positive,
+                       help="remove finished jobs (record and result) this many hours after they ended (default: "
+                            "keep them)")
     serve.add_argument("--dicomweb", help="DICOMweb root of the DICOM store that {study, series} inputs refer to")
     serve.add_argument("--max-upload-mb", type=_positive, default=4096, help="largest accepted upload (default 4096)")
     serve.add_argument("--stable-seconds", type=_at_least(0, float), default=2.0,
@@ -140,7 +143,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         insecure=args.insecure, max_models=args.max_models,
         max_memory_bytes=int(args.max_memory_mb * 1024**2) if args.max_memory_mb is not None else None,
         preload=args.preload, concurrency=args.concurrency, queue_size=args.queue_size,
-        job_workers=args.job_workers, job_max_attempts=args.job_max_attempts, dicomweb_url=args.dicomweb,
+        job_workers=args.job_workers, job_max_attempts=args.job_max_attempts,
+        job_retention_seconds=args.job_retention_hours * 3600 if args.job_retention_hours is not None else None,
+        dicomweb_url=args.dicomweb,
         max_upload_bytes=int(args.max_upload_mb * 1024**2), stable_seconds=args.stable_seconds,
         poll_interval=args.poll_interval, device=args.device)
 

@@ -35,6 +35,8 @@ class ServerConfig:
     # Jobs: worker threads pulling from the SQLite queue; interrupted jobs are retried up to `job_max_attempts`.
     job_workers: int = 1
     job_max_attempts: int = 2
+    # Finished jobs (their record and result) are removed this long after they ended; None keeps them.
+    job_retention_seconds: float | None = None
     # Uploads (tus): maximum declared length and lifetime of an unfinished or unused upload.
     max_upload_bytes: int = 4 * 1024**3
     upload_expiry_seconds: float = 24 * 3600.0

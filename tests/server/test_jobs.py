@@ -935,3 +935,26 @@ def test_a_jobs_format_is_the_format_its_result_is_served_in(thr_server, study: 
     refused = httpx.post(url + "/v1/jobs?model=thr&format=seg",
                          files={"file": ("ct.nii.gz", nifti.read_bytes(), "application/gzip")})
     assert (refused.status_code, refused.json()["error"]) == (406, "format_unavailable"), refused.text
+
+
+def test_finished_jobs_past_their_retention_are_removed_with_their_results(make_server, study: Path) -> None:
+    """Without it the data dir only grew: a finished job cannot be deleted (DELETE cancels)."""
+    server = with_thr(make_server(job_retention_seconds=3600.0))
+    url, jobs = server.url, server.app.state.jobs
+    done = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+    assert _wait(url, done["id"], ("succeeded", "failed"))["state"] == "succeeded"
+    with server.store.use("thr", lambda: None):  # the next one waits, running, for the busy model
+        running = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait(url, running["id"], ("running",))
+        assert jobs.sweep_finished() == 0  # ended just now
+        assert jobs.sweep_finished(now=time.time() + 7200) == 1
+    assert httpx.get(f"{url}/v1/jobs/{done['id']}").status_code == 404
+    assert not (server.config.jobs_dir / done["id"]).exists()
+    assert _wait(url, running["id"], ("succeeded", "failed"))["state"] == "succeeded"  # untouched while it ran
+
+
+def test_without_a_retention_finished_jobs_are_kept(thr_server, study: Path) -> None:
+    job = httpx.post(thr_server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+    assert _wait(thr_server.url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
+    assert thr_server.app.state.jobs.sweep_finished(now=time.time() + 10 * 365 * 86400) == 0
+    assert httpx.get(f"{thr_server.url}/v1/jobs/{job['id']}/result").status_code == 200
