@@ -130,6 +130,10 @@ def image_name(reference: str) -> str:
 
 
 def _check_name(reference: str, host: str | None, what: str, expected: str) -> None:
+    scheme = re.match(r"^[a-z][a-z0-9+.-]*://", reference, re.IGNORECASE)
+    if scheme:  # docker:// was dropped already; an image reference has no URL scheme
+        raise PackagingError(f"{what} {reference!r} starts with {scheme.group(0)!r}: an image reference has no URL "
+                             f"scheme; drop it ({reference[scheme.end():]!r}); {expected}")
     if "@" in reference:
         raise PackagingError(f"{what} {reference!r} names a digest, which cannot be pushed to or tagged; {expected}")
     repository, has_tag, tag = reference[len(host) + 1 if host else 0:].partition(":")

@@ -598,6 +598,9 @@ PUSH_CASES = {
     "push to a digest": ("ghcr.io/org/seg@sha256:" + "0" * 64, "names a digest, which cannot be pushed to"),
     "push with a bad tag": ("ghcr.io/org/seg:.1", "tag '.1' is not valid"),
     "push to nowhere": ("", "push destination '' must name a registry"),  # was taken as no push
+    # was "repository '/127.0.0.1' is not a valid name"
+    "push to a URL": ("http://127.0.0.1:5077/medserve/y:2", "push destination 'http://127.0.0.1:5077/medserve/y:2' "
+                      "starts with 'http://': an image reference has no URL scheme; drop it"),
 }
 TAG_CASES = {  # -t was not checked: the engine would refuse it after the build
     "uppercase name": ("UPPER:case", "image name 'UPPER:case': repository 'UPPER' is not a valid name"),
