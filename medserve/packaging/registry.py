@@ -5,7 +5,8 @@ never written to disk and never appear on a command line:
   MEDSERVE_REGISTRY_USER / MEDSERVE_REGISTRY_PASSWORD  any registry, or only MEDSERVE_REGISTRY_HOST when set
   GHCR_USER / GHCR_TOKEN (or GITHUB_ACTOR / GITHUB_TOKEN in GitHub Actions)  ghcr.io
 A Docker engine's pull reads a config folder instead: it gets one in memory (/dev/shm), removed after the pull.
-Loopback registries (localhost, 127.0.0.0/8, ::1) are spoken to over plain HTTP without extra flags.
+Loopback registries (localhost, 127.0.0.0/8) are spoken to over plain HTTP without extra flags; IPv6 addresses
+are refused, as the container tools here cannot parse them in an image reference.
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ def _check_name(reference: str, host: str | None, what: str, expected: str) -> N
     if scheme:  # docker:// was dropped already; an image reference has no URL scheme
         raise PackagingError(f"{what} {reference!r} starts with {scheme.group(0)!r}: an image reference has no URL "
                              f"scheme; drop it ({reference[scheme.end():]!r}); {expected}")
+    if host is not None and host.startswith("["):
+        raise PackagingError(f"{what} {reference!r}: an IPv6 registry address is not an image reference buildah, "
+                             f"podman and skopeo here can parse; name the registry by a host name or an IPv4 "
+                             f"address (localhost, 127.0.0.1); {expected}")
     if "@" in reference:
         raise PackagingError(f"{what} {reference!r} names a digest, which cannot be pushed to or tagged; {expected}")
     repository, has_tag, tag = reference[len(host) + 1 if host else 0:].partition(":")

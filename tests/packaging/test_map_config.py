@@ -599,6 +599,8 @@ PUSH_CASES = {
     "push with a bad tag": ("ghcr.io/org/seg:.1", "tag '.1' is not valid"),
     "push to nowhere": ("", "push destination '' must name a registry"),  # was taken as no push
     # was "repository '/127.0.0.1' is not a valid name"
+    # passed here, then buildah failed with "invalid reference format"
+    "push to an IPv6 address": ("[::1]:5077/medserve/y:2", "an IPv6 registry address is not an image reference"),
     "push to a URL": ("http://127.0.0.1:5077/medserve/y:2", "push destination 'http://127.0.0.1:5077/medserve/y:2' "
                       "starts with 'http://': an image reference has no URL scheme; drop it"),
 }
