@@ -26,8 +26,9 @@ from medserve.server import maps, oip, uploads
 from medserve.server.accept import preferred_format
 from medserve.server.auth import Authenticator, load_tokens, require
 from medserve.server.config import ServerConfig
-from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, from_core, http_error_handler,
-                                    internal_error_handler, os_error_handler, shown, validation_error_handler)
+from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, database_error_handler, from_core,
+                                    http_error_handler, internal_error_handler, os_error_handler, shown,
+                                    validation_error_handler)
 from medserve.server.inputs import InputSpec, input_json, media_type, parse_input, request_options
 from medserve.server.jobs import STATES, IdempotencyKeyTaken, JobQueue
 from medserve.server.lock import UnusableDataDir, lock_data_dir
@@ -178,6 +179,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(OSError, os_error_handler)
+    app.add_exception_handler(sqlite3.Error, database_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
     app.include_router(uploads.router)
     app.add_middleware(uploads.TusProtocol)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import sqlite3
 from http import HTTPStatus
 from pathlib import Path
 
@@ -134,6 +135,22 @@ async def os_error_handler(request: Request, exc: Exception) -> JSONResponse:
     if disk_full(exc):
         log.error("no room left on the server's disk on %s %s: %s", request.method, request.url.path, exc)
         return _shaped(request, insufficient_storage("this request"))
+    log.error("the server failed on %s %s", request.method, request.url.path, exc_info=exc)
+    return await internal_error_handler(request, exc)
+
+
+async def database_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """The jobs database refusing a request's write: its disk full (507), or its lock held past sqlite's wait by
+    another process (503); both pass. Anything else is ours, as in `internal_error_handler`."""
+    assert isinstance(exc, sqlite3.Error)
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code == sqlite3.SQLITE_FULL:
+        log.error("no room left for the jobs database on %s %s: %s", request.method, request.url.path, exc)
+        return _shaped(request, insufficient_storage("this request"))
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        log.error("the jobs database is locked on %s %s: %s", request.method, request.url.path, exc)
+        return _shaped(request, ApiError(503, "database_busy", "the server's jobs database is busy; retry later",
+                                         {"Retry-After": "5"}))
     log.error("the server failed on %s %s", request.method, request.url.path, exc_info=exc)
     return await internal_error_handler(request, exc)
 

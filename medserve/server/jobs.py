@@ -67,12 +67,11 @@ STOP_GRACE_S = 5.0  # how long a stopping server waits for running jobs to finis
 # A clean stop interrupts a job through no fault of its own: back to the queue, the attempt given back.
 REQUEUE_ON_STOP = ("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, "
                    "stage='requeued: the server stopped' WHERE state='running'")
-# A job whose worker could not record its progress or its end (the database refused a write: a full disk, a lock
-# held too long) goes back to the queue as after a crash: the attempt counts, and a result it saved is kept.
-PUT_BACK = ("UPDATE jobs SET state=CASE WHEN attempts >= ? THEN 'failed' ELSE 'queued' END, progress=0, "
-            "stage=CASE WHEN attempts >= ? THEN 'failed' ELSE 'requeued: the server could not record it' END, "
-            "error=CASE WHEN attempts >= ? THEN ? END, finished=CASE WHEN attempts >= ? THEN ? END "
-            "WHERE id=? AND state='running' RETURNING state")
+# A running job whose worker is gone (a crash, a restart) or could not record it (see `_put_back`): failed once it
+# has used its attempts, else back in the queue. `{only}` narrows it to one job.
+FAIL_INTERRUPTED = ("UPDATE jobs SET state='failed', finished=?, stage='interrupted', progress=0, outputs=NULL, "
+                    "segmented=NULL, error=? WHERE state='running' AND attempts >= ?{only} RETURNING id")
+REQUEUE_INTERRUPTED = "UPDATE jobs SET state='queued', progress=0, stage=? WHERE state='running'{only} RETURNING id"
 # Waits after a worker's failure (the database refusing writes): 1, 2, 4, ... seconds, at most this.
 _LONGEST_DATABASE_WAIT_S = 30.0
 
@@ -114,6 +113,7 @@ class JobQueue:
         self._wake = threading.Condition()
         self._stop = threading.Event()
         self._workers: list[threading.Thread] = []
+        self._held: set[str] = set()  # jobs a worker is on: the retention sweep leaves them alone
         self._db = sqlite3.connect(config.db_path, check_same_thread=False, isolation_level=None)
         try:
             self._prepare_database()
@@ -157,13 +157,10 @@ class JobQueue:
     def recover(self) -> None:
         """Rows a killed server left `running`: rerun them, or fail them once they have used their attempts."""
         failed = self._exec(
-            "UPDATE jobs SET state='failed', finished=?, stage='interrupted', progress=0, outputs=NULL, "
-            "segmented=NULL, error=? WHERE state='running' AND attempts >= ? RETURNING id",
+            FAIL_INTERRUPTED.format(only=""),
             (time.time(), f"interrupted by a server crash or restart {self.config.job_max_attempts} times; "
              "not retried again", self.config.job_max_attempts))
-        requeued = self._exec(
-            "UPDATE jobs SET state='queued', progress=0, stage='requeued after a server restart' "
-            "WHERE state='running' RETURNING id")
+        requeued = self._exec(REQUEUE_INTERRUPTED.format(only=""), ("requeued after a server restart",))
         for row in requeued:
             shutil.rmtree(self.root / row["id"] / "result.tmp", ignore_errors=True)
             shutil.rmtree(self.root / row["id"] / "work", ignore_errors=True)
@@ -192,9 +189,11 @@ class JobQueue:
         if retention is None:
             return 0
         cutoff = (time.time() if now is None else now) - retention
-        placeholders = ", ".join("?" * len(FINAL))
-        rows = self._exec(f"DELETE FROM jobs WHERE state IN ({placeholders}) AND finished < ? RETURNING id",
-                          (*FINAL, cutoff))
+        with self._lock:  # a job cancelled while it ran may still have its worker, which writes into its folder
+            held = sorted(self._held)
+        states, skipped = ", ".join("?" * len(FINAL)), ", ".join("?" * len(held))
+        rows = self._exec(f"DELETE FROM jobs WHERE state IN ({states}) AND finished < ? AND id NOT IN ({skipped}) "
+                          "RETURNING id", (*FINAL, cutoff, *held))
         for row in rows:
             shutil.rmtree(self.job_dir(row["id"]), ignore_errors=True)
         return len(rows)
@@ -388,6 +387,7 @@ class JobQueue:
             try:
                 if stranded is not None:
                     self._put_back(stranded)
+                    self._release(stranded)
                     stranded = None
                 row = self._claim()
                 if row is None:
@@ -395,33 +395,44 @@ class JobQueue:
                         self._wake.wait(timeout=1.0)
                     continue
                 stranded = row["id"]
+                self._hold(stranded)
                 self._run(row)
+                self._release(stranded)
                 stranded, refusals = None, 0
             except ServerStopping:
                 return  # the database is closed, and `close` has requeued what was running
             except Exception as error:  # a write the database refused, or a bug: the worker lives on
                 refusals += 1
-                wait = min(_LONGEST_DATABASE_WAIT_S, 2.0 ** (refusals - 1))
+                wait = backoff_seconds(refusals)
                 log.error("the job worker failed (%s: %s)%s; going on in %.0f s", type(error).__name__, error,
                           f" while job {stranded} ran" if stranded else "", wait,
                           exc_info=not isinstance(error, sqlite3.Error))
                 self._stop.wait(wait)
 
     def _put_back(self, job_id: str) -> None:
-        """Requeue a job whose worker could not record it; fail it once it has used its attempts."""
+        """Requeue a job whose worker could not record it, as `recover` does after a crash: failed once it has used
+        its attempts. A job that ended meanwhile (cancelled) gets the clean-up its worker would have done."""
         limit = self.config.job_max_attempts
-        message = (f"the server could not record this job (its jobs database refused writes), and the job has used "
-                   f"its {limit} attempt(s); not retried again")
-        rows = self._exec(PUT_BACK, (limit, limit, limit, message, limit, time.time(), job_id))
-        if not rows:
-            return  # cancelled meanwhile
-        if rows[0]["state"] == "queued":
+        message = (f"the server could not record this job (its jobs database refused writes, or its worker failed), "
+                   f"and the job has used its {limit} attempt(s); not retried again")
+        if self._exec(FAIL_INTERRUPTED.format(only=" AND id=?"), (time.time(), message, limit, job_id)):
+            log.warning("job %s failed: %s", job_id, message)
+        elif self._exec(REQUEUE_INTERRUPTED.format(only=" AND id=?"),
+                        ("requeued: the server could not record it", job_id)):
             log.warning("job %s goes back to the queue: the server could not record it", job_id)
             return
-        log.warning("job %s failed: %s", job_id, message)
-        for name in ("result.tmp", "result", "work"):
-            shutil.rmtree(self.job_dir(job_id) / name, ignore_errors=True)
+        if self._row(job_id)["state"] != "succeeded":
+            for name in ("result.tmp", "result", "work"):
+                shutil.rmtree(self.job_dir(job_id) / name, ignore_errors=True)
         self._drop_input(job_id)
+
+    def _hold(self, job_id: str) -> None:
+        with self._lock:
+            self._held.add(job_id)
+
+    def _release(self, job_id: str) -> None:
+        with self._lock:
+            self._held.discard(job_id)
 
     def _progress(self, job_id: str, stage: str, progress: float) -> None:
         """Record a stage of a running job; Cancelled when it is no longer running. A stopping server lets the
@@ -450,7 +461,13 @@ class JobQueue:
 
     def _attempt(self, row: sqlite3.Row) -> None:
         job_id, model = row["id"], row["model"]
-        spec = self._loaded_input(row)
+        try:
+            spec = self._loaded_input(row)
+        except (ValueError, KeyError, TypeError) as error:  # a row written by another version, or damaged
+            self._fail(job_id, f"the job's stored input cannot be read ({type(error).__name__}: {error}); submit "
+                       "the job again", {})
+            self._drop_input(job_id)
+            return
         folder = self.job_dir(job_id)
         work, tmp, final = folder / "work", folder / "result.tmp", folder / "result"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -566,6 +583,12 @@ class JobQueue:
                    (time.time(), message, json.dumps(timings), job_id))
         for name in ("result.tmp", "result"):
             shutil.rmtree(self.job_dir(job_id) / name, ignore_errors=True)
+
+
+def backoff_seconds(failures: int) -> float:
+    """1, 2, 4, ... seconds after the worker's `failures`-th failure in a row, at most 30 (the exponent is capped:
+    2.0 ** 1024 overflows, after some 8.5 hours of a database refusing writes)."""
+    return min(_LONGEST_DATABASE_WAIT_S, 2.0 ** min(failures - 1, 8))
 
 
 def _segmented(result: Any) -> str | None:

@@ -905,8 +905,9 @@ def test_a_write_the_jobs_database_refuses_requeues_the_job_and_the_worker_goes_
         assert done["state"] == "succeeded" and done["attempts"] == 2, done  # put back, run again
     else:
         assert done["state"] == "failed" and done["error"] == (
-            "the server could not record this job (its jobs database refused writes), and the job has used its 1 "
-            "attempt(s); not retried again"), done
+            "the server could not record this job (its jobs database refused writes, or its worker failed), and "
+            "the job has used its 1 attempt(s); not retried again"), done
+        assert done["outputs"] == [] and done["segmented"] is None, done
         _gone(server.config.jobs_dir / job["id"])  # a failed job keeps no folder
     later = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
     assert _wait(url, later["id"], ("succeeded", "failed"))["state"] == "succeeded"
@@ -958,3 +959,50 @@ def test_without_a_retention_finished_jobs_are_kept(thr_server, study: Path) -> 
     assert _wait(thr_server.url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
     assert thr_server.app.state.jobs.sweep_finished(now=time.time() + 10 * 365 * 86400) == 0
     assert httpx.get(f"{thr_server.url}/v1/jobs/{job['id']}/result").status_code == 200
+
+
+def test_a_job_cancelled_while_its_worker_waits_to_put_it_back_leaves_no_files(base_config, study: Path) -> None:
+    """The worker had given up on the job (a refused write) when it was cancelled: no worker was left to remove
+    its input and partial result."""
+    from medserve.server.inputs import InputSpec
+    from medserve.server.jobs import JobQueue
+    from medserve.server.store import ModelStore
+
+    store = ModelStore(base_config)
+    jobs = JobQueue(base_config, store)
+    try:
+        folder = jobs.job_dir("a" * 32)
+        shutil.copytree(study, folder / "input" / "dicom")
+        jobs.submit("a" * 32, "thr", InputSpec("dicom", folder / "input" / "dicom"), False, None)
+        assert jobs._claim()["id"] == "a" * 32
+        (folder / "result.tmp").mkdir()
+        jobs.cancel("a" * 32)
+        jobs._put_back("a" * 32)
+        assert jobs.get("a" * 32)["state"] == "cancelled"
+        assert not folder.exists()
+    finally:
+        jobs.close()
+        store.stop()
+
+
+def test_a_worker_backs_off_at_most_30_s_however_long_the_database_refuses() -> None:
+    """2.0 ** 1024 overflowed after about 8.5 hours of refusals, ending the worker."""
+    from medserve.server.jobs import backoff_seconds
+
+    assert [backoff_seconds(n) for n in (1, 2, 3, 5, 6, 1025, 10**6)] == [1, 2, 4, 16, 30, 30, 30]
+
+
+def test_a_submission_the_jobs_database_cannot_record_is_a_503_to_retry(thr_server, study: Path) -> None:
+    """Its lock held past sqlite's 5 s by another process: it was a 500 internal_error."""
+    holder = sqlite3.connect(thr_server.config.db_path, isolation_level=None)
+    holder.execute("BEGIN IMMEDIATE")
+    try:
+        refused = httpx.post(thr_server.url + "/v1/jobs?model=thr", files=multipart_files(study), timeout=60)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert (refused.status_code, refused.json()["error"], refused.headers.get("Retry-After")) == (
+        503, "database_busy", "5"), refused.text
+    assert list(thr_server.config.jobs_dir.iterdir()) == []  # its input is not kept
+    job = httpx.post(thr_server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+    assert _wait(thr_server.url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
