@@ -58,3 +58,30 @@ def test_overlapping_pauses_of_two_threads_enable_it_when_the_last_ends():
     thread.join(10)
     assert seen == {"a ended, b paused": False, "b, after a ended": False}
     assert gc.isenabled()
+
+
+def test_a_child_forked_while_another_thread_pauses_runs_with_the_collector():
+    """The pausing thread does not exist in the child: its pause would never end there."""
+    import os
+
+    gc.enable()
+    paused, may_end = threading.Event(), threading.Event()
+
+    def pausing() -> None:
+        with collector_paused():
+            paused.set()
+            may_end.wait(10)
+
+    thread = threading.Thread(target=pausing)
+    thread.start()
+    try:
+        assert paused.wait(10) and not gc.isenabled()
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if gc.isenabled() else 1)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        may_end.set()
+        thread.join(10)
+    assert gc.isenabled()

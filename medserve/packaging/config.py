@@ -88,6 +88,13 @@ def _check_resources(resources: Any, path: Path) -> dict[str, Any]:
         _check_names(fragments, path, "resources.fragments", "a fragment's name (quoted if it is a number)")
         for name, fragment in fragments.items():  # the runner takes the largest sharedMemory of them all
             _check_resource_values(fragment, path, f"resources.fragments.{name}")
+    # The /dev/shm size as `monai-deploy run` and `medserve run` will read it, the largest of the app's and its
+    # fragments' (1 GiB when none names one): refused here when every run would refuse it.
+    size = shared_memory_bytes({"resources": resources}, where=f"{path}: resources.sharedMemory (the largest of "
+                                                                 "the app's and its fragments')")
+    if size < _SMALLEST_LIKELY_SHARED_MEMORY:
+        logger.warning("%s: resources.sharedMemory comes to %d bytes of /dev/shm (a bare number is bytes; e.g. 1Gi "
+                       "is a GiB)", path, size)
     return dict(resources)
 
 
@@ -111,11 +118,6 @@ def _check_resource_values(resources: dict[Any, Any], path: Path, field: str) ->
             raise PackagingError(f"{path}: {field}.{key} must be a whole number >= 0, got {value!r}")
         if key in _MEMORY_KEYS:
             _check_size(value, f"{path}: {field}.{key}")
-        if key == "sharedMemory":  # read at run time as `monai-deploy run` reads it: refused there if not here
-            size = shared_memory_bytes({"resources": {key: value}}, where=f"{path}: {field}.{key}")
-            if size < _SMALLEST_LIKELY_SHARED_MEMORY:
-                logger.warning("%s: %s.%s %r comes to %d bytes of /dev/shm (a bare number is bytes; e.g. 1Gi is "
-                               "a GiB)", path, field, key, value, size)
 
 
 def _is_number(value: Any) -> bool:
@@ -245,7 +247,7 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
     if not version:
         raise PackagingError(f"{path}: required field application.version is missing (or pass --version)")
     if not version.isprintable() or not version.strip() or any(character.isspace() for character in version):
-        # It becomes app.json's version and an image label; a newline would split the label's line.
+        # It becomes app.json's version and an image label (JSON-escaped there), read by tools as one word.
         where = "--version" if version_override else f"{path}: application.version"
         raise PackagingError(f"{where} {version!r} must be one word of printable text, like 1.0.2")
 

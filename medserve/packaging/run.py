@@ -269,13 +269,17 @@ def _check_links_stay_inside(folder: Path, shown: int = 3) -> None:
     root = os.path.realpath(folder)
     broken: list[str] = []
     for dirpath, dirnames, filenames in os.walk(folder):  # linked folders are listed, not entered
-        for name in (*dirnames, *filenames):
+        dirnames.sort()  # named in a stable order, folder by folder
+        for name in sorted((*dirnames, *filenames)):
             path = os.path.join(dirpath, name)
             if not os.path.islink(path):
                 continue
             target = os.readlink(path)
-            resolved = os.path.realpath(path)
-            if os.path.isabs(target) or os.path.commonpath([root, resolved]) != root:
+            # In the container the folder has another parent: a target that steps out of it (even to come back,
+            # "../study/a.dcm") dangles there; realpath also catches a chain through another link that leaves.
+            within = os.path.normpath(os.path.join(os.path.relpath(dirpath, folder), target))
+            if (os.path.isabs(target) or within == ".." or within.startswith(".." + os.sep)
+                    or os.path.commonpath([root, os.path.realpath(path)]) != root):
                 broken.append(f"{path} -> {target}")
     if broken:
         more = f" and {len(broken) - shown} more" if len(broken) > shown else ""

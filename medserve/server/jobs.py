@@ -298,7 +298,10 @@ class JobQueue:
                            f"job {job_id} is {row['state']}{detail}")
         outputs: dict[str, str] = json.loads(row["outputs"] or "{}")
         asked = row["result_format"]
-        fmt = choose(sorted(outputs, key=lambda name: (name != asked, ("seg", "nifti").index(name))))
+        # The asked format first, even when the job did not write it (a MAP's app may write a SEG only): a fetch
+        # that names no format then gets the 406 below rather than another format without a word.
+        offered = set(outputs) | ({asked} if asked else set())
+        fmt = choose(sorted(offered, key=lambda name: (name != asked, ("seg", "nifti").index(name))))
         if fmt not in outputs:
             raise ApiError(406, "format_unavailable", f"job {job_id} has no {fmt} output (has {sorted(outputs)})")
         path = self.job_dir(job_id) / "result" / outputs[fmt]

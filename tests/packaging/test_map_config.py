@@ -130,7 +130,12 @@ def make_bundle(root: Path, name: str = "demo") -> Path:
          "resources.sharedMemory must be a size"),
         # packaged, then refused by every `medserve run` (/dev/shm of 0 bytes)
         ("application: {title: T, version: '1'}\nresources: {sharedMemory: 0.4}\n",
-         "resources.sharedMemory: comes to 0 bytes. Expected a size such as 1Gi, 512Mi or 2GB, above zero"),
+         "resources.sharedMemory (the largest of the app's and its fragments'): comes to 0 bytes. Expected a size "
+         "such as 1Gi, 512Mi or 2GB, above zero"),
+        # as the runner reads it: the largest value counts (these two run with 1 GiB, and are fine)
+        ("application: {title: T, version: '1'}\nresources: {sharedMemory: 0.4, fragments: {f: {sharedMemory: 1Gi}}}\n",
+         None),
+        ("application: {title: T, version: '1'}\nresources: {fragments: {f: {sharedMemory: 0.4}}}\n", None),
         # a newline in app.json's version and the image label; spaces in a version
         ("application: {title: T, version: \"1.0\\nLABEL evil=1\"}\nresources: {}\n",
          "application.version '1.0\\nLABEL evil=1' must be one word of printable text, like 1.0.2"),
@@ -169,7 +174,7 @@ def test_a_shared_memory_of_a_few_bytes_is_warned_about(tmp_path: Path, caplog) 
     """`sharedMemory: 1` (a GiB meant) gave the MAP a 4 kB /dev/shm without a word."""
     read_app_config(write(tmp_path, {**GOOD, "resources": {**GOOD["resources"], "sharedMemory": 1}}))
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
-        f"{tmp_path / 'app.yaml'}: resources.sharedMemory 1 comes to 1 bytes of /dev/shm (a bare number is bytes; "
+        f"{tmp_path / 'app.yaml'}: resources.sharedMemory comes to 1 bytes of /dev/shm (a bare number is bytes; "
         "e.g. 1Gi is a GiB)"]
 
 

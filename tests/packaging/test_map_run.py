@@ -391,14 +391,16 @@ def test_links_out_of_the_input_folder_are_refused_before_the_engine(no_engine_c
     (study / "same.dcm").symlink_to("sub/IM0.dcm")  # relative, within the folder: fine in the container
     (study / "IM1.dcm").symlink_to(files / "IM1.dcm")  # absolute
     (study / "sub" / "IM2.dcm").symlink_to("../../files/IM2.dcm")  # relative, leaving the folder
+    (study / "back.dcm").symlink_to("../study/sub/IM0.dcm")  # leaving and coming back: another parent there
     assert cli_main(["run", "img:1", "-i", str(study), "-o", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: input folder {study}: 2 symbolic link(s) name an absolute path or one outside it "
-                          f"({study / 'IM1.dcm'} -> {files / 'IM1.dcm'}; {study / 'sub' / 'IM2.dcm'} -> "
-                          "../../files/IM2.dcm); the container sees only this folder"), err
+    assert err.startswith(f"error: input folder {study}: 3 symbolic link(s) name an absolute path or one outside it "
+                          f"({study / 'IM1.dcm'} -> {files / 'IM1.dcm'}; {study / 'back.dcm'} -> "
+                          f"../study/sub/IM0.dcm; {study / 'sub' / 'IM2.dcm'} -> ../../files/IM2.dcm); the container "
+                          "sees only this folder"), err
     assert no_engine_calls == [] and not (tmp_path / "out").exists()
-    (study / "IM1.dcm").unlink()
-    (study / "sub" / "IM2.dcm").unlink()
+    for link in ("IM1.dcm", "back.dcm", "sub/IM2.dcm"):
+        (study / link).unlink()
     map_run._check_links_stay_inside(study)  # a relative link within the folder is left alone
 
 

@@ -927,6 +927,13 @@ def test_a_jobs_format_is_the_format_its_result_is_served_in(thr_server, study: 
     assert httpx.get(f"{url}/v1/jobs/{job['id']}/result?format=seg").headers["content-type"] == "application/dicom"
     assert httpx.get(f"{url}/v1/jobs/{job['id']}/result",
                      headers={"Accept": "application/dicom"}).headers["content-type"] == "application/dicom"
+    # A result without the asked format (a MAP's app may write the SEG only): 406 naming what it has, not the SEG
+    with sqlite3.connect(thr_server.config.db_path) as db:
+        db.execute("UPDATE jobs SET outputs=? WHERE id=?", ('{"seg": "seg.dcm"}', job["id"]))
+    missing = httpx.get(f"{url}/v1/jobs/{job['id']}/result")
+    assert (missing.status_code, missing.json()["error"]) == (406, "format_unavailable"), missing.text
+    assert "has no nifti output (has ['seg'])" in missing.json()["message"], missing.text
+    assert httpx.get(f"{url}/v1/jobs/{job['id']}/result?format=seg").status_code == 200
     plain = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
     assert plain["format"] is None and _wait(url, plain["id"], ("succeeded", "failed"))["state"] == "succeeded"
     assert httpx.get(f"{url}/v1/jobs/{plain['id']}/result").headers["content-type"] == "application/dicom"
