@@ -77,6 +77,49 @@ def test_model_zoo_configs_run_unchanged(zoo_bundle, name, caplog):
     assert predictor.predict(other).shape == other.array.shape
 
 
+def _spleen_variant(zoo_bundle, tmp_path, edit) -> Path:
+    """The spleen zoo bundle (its random weights too) with its inference.json edited by `edit(config)`."""
+    bundle = tmp_path / "variant"
+    shutil.copytree(zoo_bundle("spleen_ct_segmentation"), bundle)
+    config_path = bundle / "configs" / "inference.json"
+    config = json.loads(config_path.read_text())
+    edit(config)
+    config_path.write_text(json.dumps(config))
+    return bundle
+
+
+def _preprocessing_by_reference(config: dict) -> None:
+    config["pre"] = config.pop("preprocessing")
+    config["preprocessing"] = "@pre"
+    for step in config["postprocessing"]["transforms"]:
+        if step.get("_target_") == "Invertd":
+            step["transform"] = "@pre"
+
+
+def _image_key_by_expression(config: dict) -> None:
+    config["image_key"] = "$monai.utils.CommonKeys.IMAGE"
+
+
+@pytest.mark.parametrize("edit", [_preprocessing_by_reference, _image_key_by_expression],
+                         ids=["preprocessing by reference", "image_key by expression"])
+def test_config_spellings_monai_resolves_give_the_same_labels(zoo_bundle, tmp_path, edit):
+    """Both were refused ("'preprocessing' must be a Compose", KeyError 'image' in EnsureChannelFirstd); MONAI's
+    parser resolves both."""
+    volume, _ = phantom_volume(shape=(24, 40, 40), seed=3)
+    expected = BundlePredictor.from_dir(zoo_bundle("spleen_ct_segmentation"), device="cpu").predict(volume)
+    variant = BundlePredictor.from_dir(_spleen_variant(zoo_bundle, tmp_path, edit), device="cpu")
+    assert np.array_equal(variant.predict(volume), expected)
+
+
+def test_a_network_that_cannot_be_built_is_refused_with_the_underlying_error(zoo_bundle, tmp_path):
+    """MONAI's wrapper ("Failed to evaluate ConfigExpression: ...") hid torch's own reason."""
+    def missing_file(config: dict) -> None:
+        config["network_def"]["channels"] = "$torch.load('/nonexistent/search_code.pt')"
+
+    with pytest.raises(BundleError, match=r"cannot build network_def \(FileNotFoundError: .*/nonexistent/search_code.pt"):
+        BundlePredictor.from_dir(_spleen_variant(zoo_bundle, tmp_path, missing_file), device="cpu")
+
+
 @pytest.mark.parametrize("name", zoo_bundle_params(MODEL_ZOO))
 def test_the_chosen_device_reaches_the_zoo_bundles_inferer(zoo_bundle, name, monkeypatch):
     """On a GPU host, --device cpu keeps all of a bundle on the CPU, also an inferer whose config picks a GPU

@@ -178,14 +178,15 @@ class BundlePredictor:
         self.layout = layout
         self.device = device
         self.network = network
-        self.image_key = str(parser.get("image_key", "image"))
         try:
+            # "@image_key" in the transforms is resolved by the parser: so is the key itself ("$...IMAGE")
+            self.image_key = str(parser.get_parsed_content("image_key")) if "image_key" in parser else "image"
             self.inferer = parser.get_parsed_content("inferer")
             self.preprocessing = parser.get_parsed_content("preprocessing")
             self.postprocessing = parser.get_parsed_content("postprocessing") if "postprocessing" in parser else None
         except Exception as error:  # any component of the config can fail to instantiate
             raise BundleError(f"{layout.config_path}: cannot build inferer/preprocessing/postprocessing: "
-                              f"{error}") from error
+                              f"{_cause(error)}") from error
         steps = _steps(self.postprocessing)
         self.output_key = _prediction_key(layout, steps)
         # Sigmoid masks, one structure per channel: the evidence is in the postprocessing, not in a channel name.
@@ -635,24 +636,30 @@ def _inferer_on_the_device(parser: ConfigParser) -> None:
 
 
 def _section_transforms(parser: ConfigParser, section: str) -> list[Any] | None:
-    """The `transforms` list of the Compose `section`, also when it refers to a list defined elsewhere in the config
-    (the zoo's segmentation_template: `transforms: $@transforms`); None when there is no such list."""
-    transforms = parser[section].get("transforms") if isinstance(parser[section], dict) else None
-    transforms = _dereferenced(parser, transforms)
+    """The `transforms` list of the Compose `section`, also when the section or its list refers to one defined
+    elsewhere in the config (the zoo's segmentation_template: `transforms: $@transforms`); None when there is no
+    such list."""
+    compose = _dereferenced(parser, parser[section])  # "preprocessing": "@pre" as well
+    transforms = _dereferenced(parser, compose.get("transforms")) if isinstance(compose, dict) else None
     return transforms if isinstance(transforms, list) else None
 
 
 def _dereferenced(parser: ConfigParser, value: Any) -> Any:
     """`value`, or when it is nothing but a reference ("@id", "$@id") the config entry it names, followed through
     chains of references; None for a reference to nothing, or a cycle."""
+    return _followed(parser, value, None)[1]
+
+
+def _followed(parser: ConfigParser, value: Any, at: str | None) -> tuple[str | None, Any]:
+    """(id, value) of the config entry `value` (found at id `at`) ends at once its references are followed."""
     followed: set[str] = set()
     while isinstance(value, str) and (reference := _REFERENCE.match(value.strip())):
         target = reference.group(1)
         if target in followed or target not in parser:
-            return None
+            return None, None
         followed.add(target)
-        value = parser[target]
-    return value
+        at, value = target, parser[target]
+    return at, value
 
 
 def _transform_list(parser: ConfigParser, section: str, layout: BundleLayout) -> list[Any]:
@@ -672,7 +679,9 @@ def _drop_transforms(parser: ConfigParser, section: str, prefixes: tuple[str, ..
     """Remove the transforms whose class name starts with one of `prefixes`, written in the list or named there by
     reference ("@load_image", defined elsewhere in the config), also inside a nested Compose (or any transform
     holding a `transforms` list): a SaveImaged there wrote into the bundle folder."""
-    parser[f"{section}#transforms"] = _without(parser, _transform_list(parser, section, layout), prefixes)
+    transforms = _transform_list(parser, section, layout)
+    compose = _followed(parser, parser[section], section)[0]  # "preprocessing": "@pre": the list is pre's
+    parser[f"{compose}#transforms"] = _without(parser, transforms, prefixes)
 
 
 def _without(parser: ConfigParser, transforms: list[Any], prefixes: tuple[str, ...],
@@ -716,6 +725,7 @@ def network_from_config(config_path: Path) -> torch.nn.Module:
     """The untrained network of a bundle config (random weights), e.g. to give a config weights for tests."""
     parser = ConfigParser()
     parser.read_config(str(config_path))
+    parser["bundle_root"] = str(config_path.parent.parent)  # as for inference: networks may read files from it
     with bundle_code(config_path.parent.parent):
         return build_network(config_path, parser)
 
@@ -749,7 +759,7 @@ def _instantiated_network(config_path: Path, parser: ConfigParser) -> Any:
         removed = [a for a in _REMOVED_NETWORK_ARGUMENTS.get(target, ())
                    if isinstance(parser["network_def"], dict) and a in parser["network_def"]]
         if not removed:
-            raise BundleError(f"{config_path}: cannot build network_def ({error})") from error
+            raise BundleError(f"{config_path}: cannot build network_def ({_cause(error)})") from error
     log.warning("dropping network_def arguments %s: MONAI %s's %s no longer takes them", removed,
                 monai.__version__, target)
     for argument in removed:
@@ -758,7 +768,7 @@ def _instantiated_network(config_path: Path, parser: ConfigParser) -> Any:
     try:
         return parser.get_parsed_content("network_def", instantiate=True, lazy=False)
     except Exception as error:  # any network constructor argument can be wrong
-        raise BundleError(f"{config_path}: cannot build network_def ({error})") from error
+        raise BundleError(f"{config_path}: cannot build network_def ({_cause(error)})") from error
 
 
 def _load_network(layout: BundleLayout, parser: ConfigParser, device: torch.device) -> torch.nn.Module:

@@ -670,10 +670,16 @@ def test_a_clean_stop_records_jobs_that_finish_in_the_grace_period_and_requeues_
     monkeypatch.setattr(pipeline, "run_study", run_study)
     first = with_thr(make_server(job_workers=2, concurrency=2))
     url, files = first.url, multipart_files(study)
+    def running(count: int) -> None:  # that many jobs inside the pipeline
+        deadline = time.monotonic() + 30
+        while len(calls) < count:
+            assert time.monotonic() < deadline, calls
+            time.sleep(0.05)
+
     slow = httpx.post(url + "/v1/jobs?model=thr", files=files).json()["id"]
-    _wait_for_stage(url, slow, "inferring")
+    running(1)
     quick = httpx.post(url + "/v1/jobs?model=thr", files=files).json()["id"]
-    _wait_for_stage(url, quick, "inferring")
+    running(2)
     first.__exit__(None, None, None)  # a graceful stop, as uvicorn does on SIGTERM
     with pytest.raises(DataDirInUse):  # the slow job's worker may still write into it: nobody takes it yet
         create_app(first.config)
