@@ -116,7 +116,8 @@ def test_a_network_that_cannot_be_built_is_refused_with_the_underlying_error(zoo
     def missing_file(config: dict) -> None:
         config["network_def"]["channels"] = "$torch.load('/nonexistent/search_code.pt')"
 
-    with pytest.raises(BundleError, match=r"cannot build network_def \(FileNotFoundError: .*/nonexistent/search_code.pt"):
+    with pytest.raises(BundleError,
+                       match=r"cannot build network_def \(FileNotFoundError: .*/nonexistent/search_code.pt"):
         BundlePredictor.from_dir(_spleen_variant(zoo_bundle, tmp_path, missing_file), device="cpu")
 
 
