@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import re
 import subprocess
 import sys
@@ -544,3 +545,23 @@ def test_the_summary_stays_one_line_whatever_the_label_names_hold() -> None:
     line = summary_line({"spl\neen": 5, "liver\x1b[31m": 3, "\ud800": 1}, 1.0)
     assert line == "3 segment(s) found (spl\\neen: 5 voxels, liver\\x1b[31m: 3 voxels, \\ud800: 1 voxels) in 1.0 s"
     line.encode("utf-8")
+
+
+def test_a_failed_run_removes_its_published_files_not_another_runs_under_the_same_inode(tmp_path):
+    """Another run that removed our seg.dcm and wrote its own often got the freed inode back: the failed run then
+    removed that run's complete result as its own (seen as a flaky app test)."""
+    from medserve.writers import files
+
+    published = files.track_published()
+    try:
+        for name in ("ours.dcm", "theirs.dcm"):
+            with atomic_output(tmp_path / name) as partial:
+                partial.write_bytes(b"ours")
+        inode = (tmp_path / "theirs.dcm").stat().st_ino
+        time.sleep(0.01)
+        (tmp_path / "theirs.dcm").write_bytes(b"another run's")  # the same inode, written again
+        assert (tmp_path / "theirs.dcm").stat().st_ino == inode
+        files.remove_published(published)
+    finally:
+        files._published = None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.dcm"]

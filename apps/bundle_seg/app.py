@@ -32,8 +32,8 @@ from medserve.bundle.predictor import BundlePredictor  # noqa: E402
 from medserve.errors import BundleError, OutputError, one_line  # noqa: E402
 from medserve.logs import configure_logging, sdk_log_level  # noqa: E402
 from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
-from medserve.writers.files import (partial_path, remove_published, stop_publishing, track_published,  # noqa: E402
-                                    writable_folder)
+from medserve.writers.files import (FileIdentity, partial_path, remove_published, stop_publishing,  # noqa: E402
+                                    track_published, writable_folder)
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator,  # noqa: E402
                        ResultSummaryOperator, SegWriterOperator, SeriesSelectorOperator, SeriesToVolumeOperator)
 from operators.failures import watch_failures  # noqa: E402
@@ -199,7 +199,7 @@ def _argument_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _discard_run(output: Path, created: list[Path], published: list[tuple[Path, int]]) -> None:
+def _discard_run(output: Path, created: list[Path], published: list[tuple[Path, FileIdentity]]) -> None:
     """Leave nothing of a run that did not complete: the results it published, its partial files, and the
     folders it created (deepest first, as long as they are empty). Results of earlier runs were removed when it
     began; another run's that finished into the same folder meanwhile are that run's, and stay."""
@@ -212,7 +212,7 @@ def _discard_run(output: Path, created: list[Path], published: list[tuple[Path, 
             folder.rmdir()
 
 
-def _interrupted(output: Path, created: list[Path], published: list[tuple[Path, int]],
+def _interrupted(output: Path, created: list[Path], published: list[tuple[Path, FileIdentity]],
                  received: signal.Signals) -> None:
     stop_publishing()  # a writer finishing now must not put its file back after the clean-up
     _discard_run(output, created, published)

@@ -15,8 +15,11 @@ from medserve.errors import OutputError, first_line
 _PUBLISHING = threading.Lock()
 
 
-# The files this process has published, with their inodes, when it keeps track (`track_published`).
-_published: list[tuple[Path, int]] | None = None
+# A published file's identity: its inode, and its mtime against the inode's reuse. Another run that removes the
+# file and writes its own under the name often gets the freed inode back.
+FileIdentity = tuple[int, int, int]
+# The files this process has published, with their identities, when it keeps track (`track_published`).
+_published: list[tuple[Path, FileIdentity]] | None = None
 
 
 def partial_path(path: Path) -> Path:
@@ -25,8 +28,8 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.partial{''.join(path.suffixes)}")
 
 
-def track_published() -> list[tuple[Path, int]]:
-    """From now on keep the files this process publishes (path, inode), and return that list: an app that runs
+def track_published() -> list[tuple[Path, FileIdentity]]:
+    """From now on keep the files this process publishes (path, identity), and return that list: an app that runs
     once removes exactly its own results when it fails (`remove_published`), not those another run finished
     into the same folder meanwhile, under the same names. Not for a server, whose list would grow without end."""
     global _published
@@ -34,12 +37,16 @@ def track_published() -> list[tuple[Path, int]]:
     return _published
 
 
-def remove_published(published: list[tuple[Path, int]]) -> None:
+def remove_published(published: list[tuple[Path, FileIdentity]]) -> None:
     """Remove the files of `published` that are still the ones this process wrote there."""
-    for path, inode in published:
+    for path, identity in published:
         with contextlib.suppress(OSError):
-            if path.stat().st_ino == inode:
+            if _identity(path.stat()) == identity:
                 path.unlink()
+
+
+def _identity(status: os.stat_result) -> FileIdentity:
+    return status.st_dev, status.st_ino, status.st_mtime_ns
 
 
 def _abandoned_partials(path: Path) -> list[Path]:
@@ -107,7 +114,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
         yield partial
         with _PUBLISHING:
             if _published is not None:
-                _published.append((path, partial.stat().st_ino))  # a rename keeps the inode
+                _published.append((path, _identity(partial.stat())))  # a rename keeps inode and mtime
             partial.replace(path)
     except BaseException as error:
         with contextlib.suppress(OSError):  # the original error is the one to report
