@@ -150,11 +150,10 @@ def shared_memory_bytes(pkg: dict[str, Any], where: str = "pkg.json resources.sh
         size = int(get_shared_memory_size(pkg, False, False, None, "config"))
     except (InvalidSharedMemoryValueError, TypeError, AttributeError, ValueError, OverflowError) as error:
         reason = str(error).strip().rstrip(".")  # holoscan-cli's own messages end with ". "
-        raise PackagingError(f"{where}: {reason}. Expected a size such as 1Gi, 512Mi or "
-                             "2GB") from error
+        raise PackagingError(f"{where}: {reason}. Expected a size such as 1Gi, 512Mi or 2GB") from error
     if size <= 0:  # --shm-size 0 is no limit at all under podman
-        raise PackagingError(f"{where}: comes to {size} bytes. Expected a size such as "
-                             "1Gi, 512Mi or 2GB, above zero")
+        raise PackagingError(f"{where}: comes to {size} bytes. Expected a size such as 1Gi, 512Mi or 2GB, above "
+                             "zero")
     return size
 
 

@@ -135,8 +135,7 @@ async def os_error_handler(request: Request, exc: Exception) -> JSONResponse:
     if disk_full(exc):
         log.error("no room left on the server's disk on %s %s: %s", request.method, request.url.path, exc)
         return _shaped(request, insufficient_storage("this request"))
-    log.error("the server failed on %s %s", request.method, request.url.path, exc_info=exc)
-    return await internal_error_handler(request, exc)
+    return await _answered_as_ours(request, exc)
 
 
 async def database_error_handler(request: Request, exc: Exception) -> JSONResponse:
@@ -151,6 +150,12 @@ async def database_error_handler(request: Request, exc: Exception) -> JSONRespon
         log.error("the jobs database is locked on %s %s: %s", request.method, request.url.path, exc)
         return _shaped(request, ApiError(503, "database_busy", "the server's jobs database is busy; retry later",
                                          {"Retry-After": "5"}))
+    return await _answered_as_ours(request, exc)
+
+
+async def _answered_as_ours(request: Request, exc: Exception) -> JSONResponse:
+    """A handler's exception that is a fault of ours after all: logged with its traceback here, since Starlette
+    raises on only what its outermost handler answers, then answered as `internal_error_handler` does."""
     log.error("the server failed on %s %s", request.method, request.url.path, exc_info=exc)
     return await internal_error_handler(request, exc)
 
