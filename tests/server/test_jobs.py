@@ -1019,3 +1019,28 @@ def test_a_submission_the_jobs_database_cannot_record_is_a_503_to_retry(thr_serv
     assert list(thr_server.config.jobs_dir.iterdir()) == []  # its input is not kept
     job = httpx.post(thr_server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
     assert _wait(thr_server.url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
+
+
+def test_the_retention_sweep_leaves_a_job_its_worker_still_holds(base_config, study: Path) -> None:
+    """A job cancelled while it ran is finished, but its worker may still write into its folder."""
+    from medserve.server.inputs import InputSpec
+    from medserve.server.jobs import JobQueue
+    from medserve.server.store import ModelStore
+
+    config = replace(base_config, job_retention_seconds=60.0)
+    store = ModelStore(config)
+    jobs = JobQueue(config, store)
+    try:
+        job_id = "b" * 32
+        shutil.copytree(study, jobs.job_dir(job_id) / "input" / "dicom")
+        jobs.submit(job_id, "thr", InputSpec("dicom", jobs.job_dir(job_id) / "input" / "dicom"), False, None)
+        jobs._claim()
+        jobs._hold(job_id)
+        jobs.cancel(job_id)
+        later = time.time() + 3600
+        assert jobs.sweep_finished(now=later) == 0 and jobs.job_dir(job_id).exists()
+        jobs._release(job_id)
+        assert jobs.sweep_finished(now=later) == 1 and not jobs.job_dir(job_id).exists()
+    finally:
+        jobs.close()
+        store.stop()
