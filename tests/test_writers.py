@@ -150,8 +150,14 @@ def _set(**values):
      {"SpecificCharacterSet": "ISO_IR 192", "PatientName": "Yamada^Tarou=山田^太郎"}),
     (_set(SpecificCharacterSet="ISO_IR 6"), {"SpecificCharacterSet": "ISO_IR 192"}),
     (_set(SliceThickness=None), {"PixelMeasuresSequence": SeriesGeometry().slice_spacing}),
-], ids=["sex-U", "iso-date-and-time", "empty-charset", "japanese-code-extensions", "iso-ir-6", "no-slice-thickness"])
-@pytest.mark.filterwarnings("ignore:Invalid value for VR")  # pydicom, as the test writes the invalid source values
+    (_set(StudyDate="2024.01.01", PatientAge="45", StudyID="S" * 17, AccessionNumber="A" * 17, PatientID="p" * 65),
+     {"StudyDate": "", "PatientAge": "", "StudyID": "", "AccessionNumber": "", "PatientID": ""}),
+    (_set(PatientName="N" * 65 + "^John", StudyDescription="d" * 65, PatientWeight="70.1234567890123456"),
+     {"PatientName": "", "StudyDescription": "", "PatientWeight": ""}),
+], ids=["sex-U", "iso-date-and-time", "empty-charset", "japanese-code-extensions", "iso-ir-6", "no-slice-thickness",
+        "acr-nema-date-age-and-long-ids", "long-name-description-and-weight"])
+# pydicom, as the test writes the invalid source values
+@pytest.mark.filterwarnings("ignore:Invalid value for VR", "ignore:The value length", "ignore:The PN component length")
 def test_seg_survives_headers_seen_in_the_wild(tmp_path, edit, expected):
     """Values PACS and anonymisers write every day but highdicom refuses to copy: the SEG is written (values
     DICOM does not allow are left empty, the character set becomes UTF-8) and reads back to the label map."""
@@ -167,7 +173,7 @@ def test_seg_survives_headers_seen_in_the_wild(tmp_path, edit, expected):
             measures = back.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0]
             assert float(measures.SliceThickness) == pytest.approx(value)
         else:
-            assert str(back.get(keyword)) == value, keyword
+            assert str(back[keyword].value or "") == value, keyword  # an empty number reads back as None
     volume = hd.seg.segread(path).get_volume(combine_segments=True, relabel=False).match_geometry(loaded.volume)
     np.testing.assert_array_equal(volume.array, label_map)
 
@@ -200,17 +206,19 @@ def test_a_slice_thickness_that_is_not_one_positive_number_becomes_the_spacing_w
     np.testing.assert_array_equal(volume.array, label_map)
 
 
-@pytest.mark.parametrize(("spacing", "expected"), [({"SpacingBetweenSlices": "3.5"}, 3.5), ({}, 1.0)],
-                         ids=["spacing-between-slices", "nothing-stated"])
-def test_a_single_image_without_slice_thickness_gets_the_spacing_its_volume_has(tmp_path, spacing, expected, caplog):
-    """One image, no SliceThickness: the volume takes SpacingBetweenSlices, else 1 mm (with a warning), and the SEG
-    states the same thickness, where highdicom would stop with an AttributeError after the inference had run. The
-    warning is given once, not again by the SEG writer."""
+@pytest.mark.parametrize(("header", "expected"), [
+    ({"SliceThickness": None, "SpacingBetweenSlices": "3.5"}, 3.5),
+    ({"SliceThickness": None}, 1.0),
+    ({"SliceThickness": "2.0"}, 2.0),
+], ids=["spacing-between-slices", "nothing-stated", "slice-thickness-only"])
+def test_a_single_image_s_seg_states_the_spacing_its_volume_has(tmp_path, header, expected, caplog):
+    """One image: the volume takes SpacingBetweenSlices, else SliceThickness, else 1 mm (with a warning), and the
+    SEG's pixel measures state the same thickness and spacing. Without a thickness highdicom stopped with an
+    AttributeError after the inference had run; without SpacingBetweenSlices it stated 1 mm. The warning is given
+    once, not again by the SEG writer."""
     [path] = write_ct_series(make_phantom(shape=(1, 24, 24), seed=4).hu, tmp_path / "study").paths
     dataset = pydicom.dcmread(path)
-    del dataset.SliceThickness
-    for keyword, value in spacing.items():
-        setattr(dataset, keyword, value)
+    _set(**header)(dataset)
     dataset.save_as(path)
     loaded = load_series(index_folder(tmp_path / "study").all_series[0])
     assert np.linalg.norm(loaded.volume.affine[:3, 0]) == pytest.approx(expected)
@@ -220,9 +228,9 @@ def test_a_single_image_without_slice_thickness_gets_the_spacing_its_volume_has(
                          tmp_path / "seg.dcm")
     assert dciodvfy_errors(seg_path) == []
     measures = pydicom.dcmread(seg_path).SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0]
-    assert float(measures.SliceThickness) == pytest.approx(expected)
+    assert (float(measures.SliceThickness), float(measures.SpacingBetweenSlices)) == pytest.approx((expected,) * 2)
     warnings = [r for r in caplog.records if "taking 1 mm" in r.getMessage()]
-    assert len(warnings) == (0 if spacing else 1)  # said by the volume; the SEG states what the volume took
+    assert len(warnings) == (1 if expected == 1.0 else 0)  # said by the volume; the SEG states what the volume took
 
 
 @pytest.mark.filterwarnings("ignore:Invalid value for VR")

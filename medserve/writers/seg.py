@@ -23,13 +23,15 @@ from typing import Any
 import highdicom as hd
 import highdicom._standard_utils as hd_standard_utils
 import numpy as np
+from pydicom import config
 from pydicom.charset import convert_encodings
 from pydicom.datadict import keyword_for_tag
 from pydicom.dataset import Dataset
+from pydicom.multival import MultiValue
 from pydicom.sr.codedict import codes
 from pydicom.sr.coding import Code
 from pydicom.uid import UID, generate_uid
-from pydicom.valuerep import DA, TM
+from pydicom.valuerep import DA, TM, validate_value
 
 import medserve
 from medserve.dicom.values import decimal_values, number_of_frames, stored_bytes
@@ -339,14 +341,17 @@ def _first_source(source: list[Dataset]) -> Dataset:
     highdicom copies these attributes from the first image and validates them, so headers that PACS and
     anonymisers write every day would fail the SEG after the whole inference had run:
     - a type-2 attribute (present, may be empty) that is absent is written empty;
-    - a value DICOM does not allow there (PatientSex 'U', a date '1970-01-01', a time '09:30:00') is written
-      empty, with a warning; the SEG still references the source series;
+    - a patient or study value DICOM does not allow there (PatientSex 'U', a date '1970-01-01' or '2024.01.01', a
+      time '09:30:00', an age '45', a StudyID over 16 characters) is written empty, with a warning; the SEG still
+      references the source series;
     - a SpecificCharacterSet highdicom refuses (empty, code extensions such as '\\ISO 2022 IR 87', the default
       'ISO_IR 6' spelled out) becomes ISO_IR 192: the values are decoded text by now, and UTF-8 holds them all;
     - an absent or empty SliceThickness (type 2 in CT and MR images) is taken as the spacing between the first
       two images (of a single image: the spacing its volume was built with), as highdicom needs one for the SEG's
       pixel measures; so is one that is not a single positive number (with a warning), which highdicom cannot
-      copy ('abc', '3\\3', 'nan') or dciodvfy refuses (0).
+      copy ('abc', '3\\3', 'nan') or dciodvfy refuses (0);
+    - a single image's SpacingBetweenSlices is the spacing its volume was built with, which highdicom states in the
+      SEG's pixel measures (it would say 1 mm where the image states only its thickness).
     Frame of reference, SOP class and instance UIDs are type 1: without them no SEG can refer to the source
     (DicomInputError).
     """
@@ -356,19 +361,18 @@ def _first_source(source: list[Dataset]) -> Dataset:
         raise DicomInputError(f"{name}: FrameOfReferenceUID is missing; a DICOM SEG must refer to its source images "
                               "by it")
     _check_source_classes(source)
-    changes: dict[str, object] = {}
-    for keyword in _TYPE2_COPIED_ATTRIBUTES:
-        if keyword not in dataset:
-            changes[keyword] = None
-        elif not _allowed(keyword, dataset[keyword].value):
-            log.warning("%s: %s %r is not a valid DICOM value; the SEG has it empty", name, keyword,
-                        str(dataset[keyword].value))
+    changes: dict[str, object] = {keyword: None for keyword in _TYPE2_COPIED_ATTRIBUTES if keyword not in dataset}
+    for keyword in _patient_and_study_keywords(str(dataset.SOPClassUID)):
+        if keyword in dataset and (problem := _not_allowed(dataset, keyword)):
+            log.warning("%s: %s is not a valid DICOM value (%s); the SEG has it empty", name, keyword, problem)
             changes[keyword] = None
     declared = dataset.get("SpecificCharacterSet")
     if declared is not None and not _highdicom_accepts_character_set(declared):
         changes["SpecificCharacterSet"] = "ISO_IR 192"
     if not _states_slice_thickness(dataset, name) and (spacing := _slice_spacing(source)) is not None:
         changes["SliceThickness"] = spacing
+    if len(source) == 1 and number_of_frames(dataset) == 1:  # highdicom would state 1 mm unless the image does
+        changes["SpacingBetweenSlices"] = single_image_spacing(dataset, warn=False)
     if (shared := _shared_geometry(dataset, name)) is not None:
         changes["SharedFunctionalGroupsSequence"] = shared
     if not changes:
@@ -480,19 +484,43 @@ def _stored_text(dataset: Dataset, keyword: str) -> str:
     return raw.decode("ascii", "replace").strip() if raw is not None else str(dataset[keyword].value)
 
 
-def _allowed(keyword: str, value: object) -> bool:
-    if value in (None, ""):
-        return True
+@functools.lru_cache(maxsize=64)
+def _patient_and_study_keywords(sop_class_uid: str) -> tuple[str, ...]:
+    """The root attributes of the Patient and Study modules of the source's IOD: what highdicom copies from the
+    first source image into the SEG (`copy_patient_and_study_information`)."""
+    modules = hd_standard_utils.get_iod_module_map()[hd_standard_utils.get_sop_class_iod_map()[sop_class_uid]]
+    attributes = hd_standard_utils.get_module_attribute_map()
+    return tuple(dict.fromkeys(str(item["keyword"]) for module in modules if module["ie"] in ("Patient", "Study")
+                               for item in attributes[module["key"]] if not item["path"]))
+
+
+# Values of these VRs are text, which pydicom's validators check for characters, length and form (numbers and
+# binary values were checked by their decoding).
+_TEXT_VRS = frozenset({"AE", "AS", "CS", "DA", "DS", "DT", "IS", "LO", "LT", "PN", "SH", "ST", "TM", "UC", "UR",
+                       "UT"})
+
+
+def _not_allowed(dataset: Dataset, keyword: str) -> str:
+    """Why a value highdicom would copy into the SEG is one dciodvfy refuses, or '' when it is allowed: a value
+    not of its VR's characters, length or form, a date or time that does not exist, a PatientSex other than
+    M, F or O."""
     try:
-        if keyword == "PatientSex":
-            return str(value) in ("M", "F", "O")
-        if keyword.endswith("Date"):
-            DA(str(value))
-        elif keyword.endswith("Time"):
-            TM(str(value))
-    except ValueError:
-        return False
-    return True
+        element = dataset[keyword]
+        value = element.value
+        if element.VR not in _TEXT_VRS or value in (None, ""):
+            return ""
+        for one in value if isinstance(value, MultiValue) else [value]:
+            text = str(one)
+            if keyword == "PatientSex" and text not in ("M", "F", "O"):
+                return f"{text!r} is not M, F or O"
+            validate_value(element.VR, text, config.RAISE)
+            if element.VR == "DA":
+                DA(text)
+            elif element.VR == "TM":
+                TM(text)
+    except ValueError as error:  # also a value that does not decode ('abc' as a DS)
+        return str(error) or type(error).__name__
+    return ""
 
 
 def _highdicom_accepts_character_set(declared: object) -> bool:
