@@ -403,8 +403,10 @@ def test_default_rules_leave_aside_a_larger_enhanced_object_holding_several_phas
 
 def test_default_rules_name_the_series_left_aside_when_none_forms_a_volume(tmp_path):
     study_uid = pydicom.uid.generate_uid()
-    write_repeated_positions_series(tmp_path / "dwi", study_uid)
-    with pytest.raises(VolumeError, match=r"^duplicated slice at"):  # the only candidate: its own error
+    series_uid = write_repeated_positions_series(tmp_path / "dwi", study_uid)
+    # The only candidate: its own error, naming it as the warning does
+    with pytest.raises(VolumeError, match=rf"^series {re.escape(series_uid)} \(Modality=CT, SeriesDescription='DWI "
+                                          r"b0/b500/b1000', \d+ instance\(s\)\): duplicated slice at"):
         select_series(index_folder(tmp_path))
     write_repeated_positions_series(tmp_path / "dwi2", study_uid)
     with pytest.raises(SelectionError, match=r"no CT or MR series in .* forms a volume, so none was selected by "

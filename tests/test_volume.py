@@ -388,8 +388,8 @@ def test_many_slices_at_one_position_are_listed_by_the_first_five(tmp_path, phan
     written = _write(tmp_path, phantom)
     _edit_every_file(written, _set("ImagePositionPatient", ["0", "0", "0"]))
     listed = ", ".join(re.escape(str(path)) for path in sorted(written.paths)[:5])
-    with pytest.raises(VolumeError, match=rf"^duplicated slice at 0.000 mm along the slice normal: {listed} and "
-                                          rf"{len(written.paths) - 5} more$"):
+    with pytest.raises(VolumeError, match=rf"^series \S+ \(.*\): duplicated slice at 0.000 mm along the slice normal: "
+                                          rf"{listed} and {len(written.paths) - 5} more$"):
         volume_of(tmp_path)
 
 

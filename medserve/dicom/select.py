@@ -294,8 +294,8 @@ def select_series(index: StudyIndex, rules: str | Path | dict[str, Any] | None =
     if skipped:
         log.warning("series left aside by the default selection: they do not form a volume",
                     extra={"series": left_aside})
-    if not selected and len(skipped) == 1:
-        raise skipped[0][1]  # the only candidate: what is wrong with it is the whole story
+    if not selected and len(skipped) == 1:  # the only candidate: what is wrong with it is the whole story
+        raise type(skipped[0][1])(left_aside[0]) from skipped[0][1]
     if not selected and skipped:
         raise SelectionError(f"no CT or MR series in {index.root} forms a volume, so none was selected by default; "
                              f"choose one with selection rules. Left aside:\n"
