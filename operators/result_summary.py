@@ -46,6 +46,9 @@ class ResultSummaryOperator(RunEndingOperator):
         if self.nifti:
             paths.append(op_input.receive("nifti_path"))
         summary = summary_line(counts, time.perf_counter() - self.started)
+        if sys.stdout is None:  # started with stdout closed: print() would drop the line without a word
+            log.warning("the summary could not be printed (standard output is closed); the results are written")
+            return
         try:
             print(f"wrote {one_line(', '.join(str(p) for p in paths))}\n{summary}", flush=True)
         except OSError as error:  # stdout closed (a pipe's reader gone) or full: the results are complete

@@ -693,12 +693,13 @@ def test_paths_that_cannot_even_be_looked_at_are_one_line_exit_2(tmp_path, demo_
     assert not (tmp_path / "out").exists()
 
 
-def test_a_closed_stdout_leaves_the_results_complete_and_the_run_a_success(tmp_path, demo_study):
-    """The summary's print into a full or closed stdout was an 'internal error' (exit 1) that removed the
-    complete results."""
+@pytest.mark.parametrize("redirection", ["> /dev/full", ">&-"], ids=["full", "closed"])
+def test_a_closed_stdout_leaves_the_results_complete_and_the_run_a_success(tmp_path, demo_study, redirection):
+    """The summary's print into a full stdout was an 'internal error' (exit 1) that removed the complete results;
+    into a stdout closed from the start (Python's sys.stdout is None) it was lost without a word."""
     out = tmp_path / "out"
     command = (f"ulimit -s 32768; exec {sys.executable} {APP} -i '{demo_study[0]}' -o '{out}' -m '{DEMO_BUNDLE}' "
-               "--device cpu > /dev/full")
+               f"--device cpu {redirection}")
     completed = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
     assert completed.returncode == 0, completed.stderr
     assert "the summary could not be printed" in completed.stderr
