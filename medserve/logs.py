@@ -65,13 +65,26 @@ def sdk_log_level(level: int) -> str:
     return "WARN" if level >= logging.WARNING else "INFO" if level >= logging.INFO else "DEBUG"
 
 
+def _json_format() -> bool:
+    return os.environ.get("MEDSERVE_LOG_FORMAT", "text") == "json"
+
+
+def announce(logger: logging.Logger, message: str, **fields: object) -> None:
+    """A line for whoever started the process, on stderr at any log level (where a server listens): as it is in
+    the text format, and with MEDSERVE_LOG_FORMAT=json one object like the log's records, `fields` included."""
+    if _json_format():
+        message = JsonFormatter().format(logger.makeRecord(logger.name, logging.INFO, "", 0, message, None, None,
+                                                          extra=fields))
+    print(message, file=sys.stderr, flush=True)
+
+
 def configure_logging(verbosity: int | None = None) -> int:
     """Set up logging at `log_level(verbosity)` and return that level; MEDSERVE_LOG_FORMAT=json for
     machine-readable logs. Holoscan's own logger follows (HOLOSCAN_LOG_LEVEL: set outright for a flag, kept
     when set and no flag was given)."""
     level = log_level(verbosity)
     handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("MEDSERVE_LOG_FORMAT", "text") == "json":
+    if _json_format():
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(TextFormatter())

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from medserve.logs import announce
 from medserve.net import is_loopback
 from medserve.server.config import ServerConfig
 from medserve.stopping import terminable
@@ -174,8 +175,9 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {config.host}:{config.port} ({error.strerror or error})", file=sys.stderr)
         return 2
     app = create_app(config)
-    print(f"medserve serving {config.store}/ on http://{config.host}:{config.port} (data in {config.data_dir}/)",
-          file=sys.stderr)
+    url = f"http://{config.host}:{config.port}"
+    announce(log, f"medserve serving {config.store}/ on {url} (data in {config.data_dir}/)", url=url,
+             store=str(config.store), data_dir=str(config.data_dir))
     # log_config=None: uvicorn's records go through our handler (one JSON object per line with
     # MEDSERVE_LOG_FORMAT=json) instead of the plain-text handlers uvicorn would install.
     uvicorn.run(app, host=config.host, port=config.port, log_level="warning", log_config=None,

@@ -529,7 +529,7 @@ def test_waiting_for_a_job_outlasts_a_server_restart(tmp_path: Path) -> None:
 
 def test_the_servers_log_is_one_json_object_per_line_uvicorns_lines_too(tmp_path: Path) -> None:
     """uvicorn installed its own plain-text handlers: 'WARNING:  Invalid HTTP request received.' (and its
-    traceback of a 500) broke MEDSERVE_LOG_FORMAT=json's one object per line."""
+    traceback of a 500) broke MEDSERVE_LOG_FORMAT=json's one object per line, and so did the start-up line."""
     import json
     import time
 
@@ -546,11 +546,9 @@ def test_the_servers_log_is_one_json_object_per_line_uvicorns_lines_too(tmp_path
     finally:
         server.stop()
     lines = [line for line in server.proc.stdout.read().decode().splitlines() if line.strip()]
-    entries = []
-    for line in lines:
-        if line.startswith("medserve serving "):  # the start-up line on stderr, for people
-            continue
-        entries.append(json.loads(line))  # every other line an object
+    entries = [json.loads(line) for line in lines]  # the start-up line too (it was plain text)
+    assert [entry["url"] for entry in entries if entry["msg"].startswith("medserve serving ")] == [
+        f"http://127.0.0.1:{port}"], lines
     assert any(entry["logger"].startswith("uvicorn") and "Invalid HTTP request" in entry["msg"]
                for entry in entries), lines
 
