@@ -311,18 +311,79 @@ def _frame_without_its_position(dataset):
                     r"per frame"),
     (_one_more_frame_of_pixels, r"pixel data holds (\d+) frames of Rows x Columns x BitsAllocated/8 = \d+ bytes; "
                                 r"NumberOfFrames says \d+"),
-    (_frame_without_its_position, r"multi-frame image does not form a regular volume \(PlanePositionSequence "
-                                  r"\(0020,9113\) is missing from a frame's functional groups\)"),
+    (_frame_without_its_position, r"multi-frame image does not form a regular volume \(frame 4 has no "
+                                  r"ImagePositionPatient of 3 numbers, in its own PlanePositionSequence or the "
+                                  r"shared one\)"),
 ], ids=["number-of-frames-halved", "a-frame-of-pixels-too-many", "a-frame-without-its-position"])
 def test_an_enhanced_image_whose_frames_do_not_add_up_is_refused(tmp_path, phantom, edit, message):
     """highdicom read NumberOfFrames frames and dropped the rest: half the slices segmented, exit 0; a frame
-    without its position was refused as '((0020,9113))'."""
+    without its position was refused as '((0020,9113))', and is now refused naming the frame."""
     path = _enhanced_of(write_ct_series(phantom.hu, tmp_path / "single").paths[0].parent, tmp_path / "multi")
     dataset = pydicom.dcmread(path / "enhanced.dcm")
     edit(dataset)
     dataset.save_as(path / "enhanced.dcm")
     with pytest.raises(VolumeError, match=r"enhanced.dcm: " + message):
         series_to_volume(index_folder(path).all_series[0])
+
+
+def _second_phase_at_the_first_position(dataset):
+    frames = dataset.PerFrameFunctionalGroupsSequence
+    frames[5].PlanePositionSequence = frames[0].PlanePositionSequence
+
+
+def _frame_group(dataset, frame: int, sequence: str, **values) -> None:
+    item = pydicom.Dataset()
+    for keyword, value in values.items():
+        setattr(item, keyword, value)
+    setattr(dataset.PerFrameFunctionalGroupsSequence[frame], sequence, [item])
+
+
+def _a_frame_of_other_pixel_spacing(dataset):
+    _frame_group(dataset, 3, "PixelMeasuresSequence", PixelSpacing=[0.9, 0.9], SliceThickness=2.5)
+
+
+def _a_frame_of_other_orientation(dataset):
+    _frame_group(dataset, 3, "PlaneOrientationSequence", ImageOrientationPatient=[1, 0, 0, 0, 0, -1])
+
+
+def _no_per_frame_groups(dataset):
+    del dataset.PerFrameFunctionalGroupsSequence
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_second_phase_at_the_first_position, r"duplicated slice at [-\d.]+ mm along the slice normal: frames 1, 6; "
+                                          r"an object of several phases, echoes or times is no single volume"),
+    (_a_frame_of_other_pixel_spacing, r"its frames differ in PixelSpacing: 3\\3 in frame 1, 0.9\\0.9 in "
+                                      r"frame 4"),
+    (_a_frame_of_other_orientation, r"its frames differ in ImageOrientationPatient: 1\\0\\0\\0\\1\\0 in frame 1, "
+                                    r"1\\0\\0\\0\\0\\-1 in frame 4"),
+    (_no_per_frame_groups, r"it has no PerFrameFunctionalGroupsSequence, where the positions of its 20 frames are "
+                           r"stated"),
+], ids=["two-phases", "pixel-spacing", "orientation", "no-per-frame-groups"])
+def test_an_enhanced_image_that_is_no_volume_is_refused_saying_why(tmp_path, phantom, edit, message):
+    """All were refused as 'its frames' positions are not a regular stack along one normal', the same whether the
+    default selection looked at the headers or the volume was built from the chosen series."""
+    path = _enhanced_of(write_ct_series(phantom.hu, tmp_path / "single").paths[0].parent, tmp_path / "multi")
+    dataset = pydicom.dcmread(path / "enhanced.dcm")
+    edit(dataset)
+    dataset.save_as(path / "enhanced.dcm")
+    expected = r"enhanced.dcm: multi-frame image does not form a regular volume \(" + message + r"\)$"
+    with pytest.raises(VolumeError, match=r"^series .*" + expected):
+        select_series(index_folder(path))
+    with pytest.raises(VolumeError, match=expected):
+        series_to_volume(index_folder(path).all_series[0])
+
+
+def test_a_big_endian_enhanced_image_is_refused_saying_so(tmp_path):
+    """highdicom's 'Parsing of datasets is only valid for datasets with little endian transfer syntaxes' was given
+    as a reason the frames do not form a volume."""
+    (tmp_path / "mr.dcm").write_bytes(Path(get_testdata_file("emri_small_big_endian.dcm")).read_bytes())
+    expected = (r"mr.dcm: multi-frame image in Explicit VR Big Endian \(a retired transfer syntax\), which highdicom "
+                r"cannot read; expected a little-endian transfer syntax")
+    with pytest.raises(VolumeError, match=r"^series .*" + expected):
+        select_series(index_folder(tmp_path))
+    with pytest.raises(VolumeError, match=expected):
+        series_to_volume(index_folder(tmp_path).all_series[0])
 
 
 @pytest.mark.parametrize("syntax", [JPEGLSLossless, JPEG2000Lossless])

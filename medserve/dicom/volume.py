@@ -369,35 +369,98 @@ def _check_drift(sorted_distances: np.ndarray, atol: float, what: str) -> None:
                           f"puts it (tolerance {atol:.3f} mm)")
 
 
+def _frame_values(dataset: pydicom.Dataset, sequence: str, keyword: str) -> list[tuple[float, ...] | None]:
+    """Each frame's value of a functional group attribute (from its own groups, else the shared ones) as numbers;
+    None for a frame that has none, or one that is not numbers."""
+    shared = (dataset.get("SharedFunctionalGroupsSequence") or [pydicom.Dataset()])[0]
+    values: list[tuple[float, ...] | None] = []
+    for frame in dataset.get("PerFrameFunctionalGroupsSequence") or []:
+        value = None
+        for groups in (frame, shared):
+            items = groups.get(sequence)
+            if items and keyword in items[0]:
+                try:
+                    value = tuple(float(v) for v in items[0][keyword].value)
+                except (TypeError, ValueError):
+                    value = None
+                break
+        values.append(value)
+    return values
+
+
 def _frame_distances(dataset: pydicom.Dataset) -> np.ndarray | None:
     """Where the frames of a multi-frame image lie along its normal (mm, ascending); None when they do not all
     carry one plane position and one orientation (highdicom then tells what is wrong)."""
-    shared = dataset.get("SharedFunctionalGroupsSequence") or [pydicom.Dataset()]
-    per_frame = dataset.get("PerFrameFunctionalGroupsSequence") or []
-
-    def plane_value(frame: pydicom.Dataset, sequence: str, keyword: str) -> list | None:
-        for groups in (frame, shared[0]):
-            items = groups.get(sequence)
-            if items and keyword in items[0]:
-                return items[0][keyword].value
+    orientations = set(_frame_values(dataset, "PlaneOrientationSequence", "ImageOrientationPatient"))
+    positions = _frame_values(dataset, "PlanePositionSequence", "ImagePositionPatient")
+    if len(positions) < 2 or None in positions or len(orientations) != 1 or None in orientations:
         return None
-
-    try:
-        orientations = {tuple(float(v) for v in plane_value(frame, "PlaneOrientationSequence",
-                                                            "ImageOrientationPatient") or ())
-                        for frame in per_frame}
-        positions = np.asarray([[float(v) for v in plane_value(frame, "PlanePositionSequence",
-                                                               "ImagePositionPatient") or ()]
-                                for frame in per_frame], dtype=np.float64)
-    except (TypeError, ValueError):
+    orientation, located = np.asarray(orientations.pop()), np.asarray(positions, dtype=np.float64)
+    if orientation.shape != (6,) or located.shape != (len(positions), 3):
         return None
-    if len(per_frame) < 2 or len(orientations) != 1 or positions.shape != (len(per_frame), 3):
-        return None
-    orientation = np.asarray(orientations.pop())
-    if orientation.shape != (6,) or not (np.isfinite(orientation).all() and np.isfinite(positions).all()):
+    if not (np.isfinite(orientation).all() and np.isfinite(located).all()):
         return None
     normal = np.cross(*_orthonormal(orientation))
-    return np.sort(positions @ normal)
+    return np.sort(located @ normal)
+
+
+_FRAME_GEOMETRY = (("PlaneOrientationSequence", "ImageOrientationPatient", 6),
+                   ("PixelMeasuresSequence", "PixelSpacing", 2),
+                   ("PlanePositionSequence", "ImagePositionPatient", 3))
+
+
+def _check_frames_layout(dataset: pydicom.Dataset, name: str) -> None:
+    """Refuse, in the terms of the header, the frame layouts highdicom would refuse as 'not a regular stack' or
+    with a message about something else: a big-endian object, functional groups missing or not one per frame,
+    frames without positions, frames of several orientations or pixel spacings, several frames at one position
+    (phases or echoes). The geometry of an object of one frame is left to highdicom."""
+    def refuse(problem: str) -> VolumeError:
+        return VolumeError(f"{name}: multi-frame image does not form a regular volume ({problem})")
+
+    if _is_big_endian(dataset):
+        raise VolumeError(f"{name}: multi-frame image in Explicit VR Big Endian (a retired transfer syntax), which "
+                          "highdicom cannot read; expected a little-endian transfer syntax (convert it, e.g. "
+                          "`dcmconv +te`)")
+    frames, per_frame = number_of_frames(dataset), dataset.get("PerFrameFunctionalGroupsSequence")
+    if per_frame is not None and len(per_frame) != frames:  # highdicom would read NumberOfFrames, drop the rest
+        raise VolumeError(f"{name}: NumberOfFrames is {frames} but PerFrameFunctionalGroupsSequence has "
+                          f"{len(per_frame)} items; expected one item per frame")
+    if frames < 2:
+        return
+    if not per_frame:
+        raise refuse(f"it has no PerFrameFunctionalGroupsSequence, where the positions of its {frames} frames are "
+                     "stated")
+    values = {}
+    for sequence, keyword, count in _FRAME_GEOMETRY:
+        values[keyword] = _frame_values(dataset, sequence, keyword)
+        if (missing := next((i for i, v in enumerate(values[keyword]) if v is None or len(v) != count), None)) \
+                is not None:
+            raise refuse(f"frame {missing + 1} has no {keyword} of {count} numbers, in its own {sequence} or the "
+                         "shared one")
+        first = values[keyword][0]
+        other = next((i for i, v in enumerate(values[keyword]) if not np.allclose(v, first, atol=1e-4)), None)
+        if other is not None and keyword != "ImagePositionPatient":
+            raise refuse(f"its frames differ in {keyword}: {_decimals(first)} in frame 1, "
+                         f"{_decimals(values[keyword][other])} in frame {other + 1}")
+    normal = np.cross(*_orthonormal(np.asarray(values["ImageOrientationPatient"][0])))
+    distances = np.asarray(values["ImagePositionPatient"], dtype=np.float64) @ normal
+    order = np.argsort(distances, kind="stable")
+    if (at := next((i for i, gap in enumerate(np.diff(distances[order])) if gap < 1e-3), None)) is not None:
+        shared = [int(f) + 1 for f in order if abs(distances[f] - distances[order[at]]) < 1e-3]
+        listed = ", ".join(map(str, shared[:5])) + (f" and {len(shared) - 5} more" if len(shared) > 5 else "")
+        raise refuse(f"duplicated slice at {distances[order[at]]:.3f} mm along the slice normal: frames {listed}; "
+                     "an object of several phases, echoes or times is no single volume")
+
+
+def _decimals(values: tuple[float, ...]) -> str:
+    return "\\".join(f"{v:g}" for v in values)
+
+
+def _is_big_endian(dataset: pydicom.Dataset) -> bool:
+    syntax = getattr(dataset, "file_meta", pydicom.Dataset()).get("TransferSyntaxUID")
+    if syntax is not None:
+        return str(syntax) == pydicom.uid.ExplicitVRBigEndian
+    return dataset.original_encoding[1] is False
 
 
 def _multiframe_atol(dataset: pydicom.Dataset, name: str, tolerance: SpacingTolerance) -> float | None:
@@ -424,6 +487,7 @@ def multiframe_geometry(dataset: pydicom.Dataset,
     `load_series` stacks them: a label map in that order becomes a Volume (`with_array`) that highdicom maps onto
     the frames by position, whatever order they are stored in. VolumeError when they do not form a volume."""
     name = getattr(dataset, "filename", None) or f"SOP instance {dataset.get('SOPInstanceUID', '?')}"
+    _check_frames_layout(dataset, name)
     atol = _multiframe_atol(dataset, name, tolerance)
     try:  # from_dataset without copying converts the object it is given: a shallow copy keeps the caller's as it is
         geometry = hd.Image.from_dataset(copy.copy(dataset), copy=False).get_volume_geometry(
@@ -501,13 +565,10 @@ def _frames_problem(error: Exception) -> str:
 
 
 def _check_frame_count(dataset: pydicom.Dataset, instance: Instance) -> None:
-    """Refuse a NumberOfFrames that the per-frame functional groups or the uncompressed pixel data do not bear
-    out: highdicom reads that many frames and drops the rest (20 of 40 slices, without a word)."""
+    """Refuse a NumberOfFrames that the uncompressed pixel data do not bear out: highdicom reads that many frames
+    and drops the rest (20 of 40 slices, without a word). The functional groups' count is checked with their
+    layout."""
     frames = number_of_frames(dataset)
-    per_frame = dataset.get("PerFrameFunctionalGroupsSequence")
-    if per_frame is not None and len(per_frame) != frames:
-        raise VolumeError(f"{instance.path}: NumberOfFrames is {frames} but PerFrameFunctionalGroupsSequence has "
-                          f"{len(per_frame)} items; expected one item per frame")
     pixels = dataset.get("PixelData")
     syntax = instance.transfer_syntax
     if isinstance(pixels, bytes) and syntax.is_transfer_syntax and not syntax.is_compressed:
@@ -525,6 +586,7 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
         dataset = read_dataset(instance)  # also a file written without the preamble
     except Exception as error:  # pydicom raises assorted types on damaged files
         raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
+    _check_frames_layout(dataset, str(instance.path))
     _check_frame_count(dataset, instance)
     if "PixelData" in dataset:
         try:
