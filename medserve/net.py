@@ -13,3 +13,8 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def http_url(host: str, port: int) -> str:
+    """The URL of an HTTP server listening on `host` and `port`: an IPv6 address in brackets (RFC 3986)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 import resource
@@ -18,8 +19,8 @@ from pydicom.encaps import encapsulate, generate_frames
 from pydicom.pixels import apply_modality_lut
 from pydicom.filebase import DicomFileLike
 from pydicom.filewriter import write_dataset, write_file_meta_info
-from pydicom.uid import (DeflatedExplicitVRLittleEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
-                         JPEG2000Lossless, JPEGLSLossless, RLELossless)
+from pydicom.uid import (DeflatedExplicitVRLittleEndian, ExplicitVRBigEndian, ExplicitVRLittleEndian,
+                         ImplicitVRLittleEndian, JPEG2000Lossless, JPEGLSLossless, RLELossless)
 
 import medserve.dicom.index as index_module
 from medserve.demo.phantom import make_phantom
@@ -374,16 +375,53 @@ def test_an_enhanced_image_that_is_no_volume_is_refused_saying_why(tmp_path, pha
         series_to_volume(index_folder(path).all_series[0])
 
 
-def test_a_big_endian_enhanced_image_is_refused_saying_so(tmp_path):
+def test_a_big_endian_enhanced_image_is_refused_saying_so(tmp_path, phantom):
     """highdicom's 'Parsing of datasets is only valid for datasets with little endian transfer syntaxes' was given
     as a reason the frames do not form a volume."""
-    (tmp_path / "mr.dcm").write_bytes(Path(get_testdata_file("emri_small_big_endian.dcm")).read_bytes())
-    expected = (r"mr.dcm: multi-frame image in Explicit VR Big Endian \(a retired transfer syntax\), which highdicom "
-                r"cannot read; expected a little-endian transfer syntax")
+    path = _enhanced_of(write_ct_series(phantom.hu, tmp_path / "single").paths[0].parent, tmp_path / "multi")
+    dataset = pydicom.dcmread(path / "enhanced.dcm")
+    dataset.PixelData = dataset.pixel_array.astype(">i2" if dataset.PixelRepresentation else ">u2").tobytes()
+    dataset.file_meta.TransferSyntaxUID = ExplicitVRBigEndian
+    pydicom.dcmwrite(path / "enhanced.dcm", dataset, little_endian=False, implicit_vr=False, force_encoding=True)
+    expected = (r"enhanced.dcm: multi-frame image in Explicit VR Big Endian \(a retired transfer syntax\), which "
+                r"highdicom cannot read; expected a little-endian transfer syntax")
     with pytest.raises(VolumeError, match=r"^series .*" + expected):
-        select_series(index_folder(tmp_path))
+        select_series(index_folder(path))
     with pytest.raises(VolumeError, match=expected):
-        series_to_volume(index_folder(tmp_path).all_series[0])
+        series_to_volume(index_folder(path).all_series[0])
+
+
+def _float_noise_in_a_frame(keyword: str):
+    def edit(dataset):
+        frames = dataset.PerFrameFunctionalGroupsSequence
+        shared = dataset.SharedFunctionalGroupsSequence[0]
+        for sequence in ("PlaneOrientationSequence", "PixelMeasuresSequence"):  # per frame, as Philips writes them
+            for frame in frames:
+                setattr(frame, sequence, copy.deepcopy(shared[sequence].value))
+            delattr(shared, sequence)
+        item = frames[4].PlaneOrientationSequence[0] if keyword == "ImageOrientationPatient" else \
+            frames[4].PixelMeasuresSequence[0]
+        item[keyword].value = [f"{float(v) + 1e-6:.7f}" for v in item[keyword].value]
+    return edit
+
+
+@pytest.mark.parametrize("keyword", ["ImageOrientationPatient", "PixelSpacing"])
+def test_an_enhanced_image_whose_frames_differ_by_float_noise_only_forms_its_volume(tmp_path, phantom, keyword):
+    """highdicom wants every frame's orientation and pixel spacing equal: 1e-6 apart, it refused the frames as 'not
+    a regular stack along one normal'. The caller's header keeps its values."""
+    single = write_ct_series(phantom.hu, tmp_path / "single")
+    path = _enhanced_of(single.paths[0].parent, tmp_path / "multi")
+    dataset = pydicom.dcmread(path / "enhanced.dcm")
+    _float_noise_in_a_frame(keyword)(dataset)
+    dataset.save_as(path / "enhanced.dcm")
+    [selected] = select_series(index_folder(path))
+    header = selected.series.header
+    noisy_before = str(header.PerFrameFunctionalGroupsSequence[4])
+    volume = series_to_volume(selected.series)
+    assert str(header.PerFrameFunctionalGroupsSequence[4]) == noisy_before
+    expected = series_to_volume(index_folder(single.paths[0].parent).all_series[0])
+    np.testing.assert_allclose(volume.affine, expected.affine, atol=1e-4)
+    np.testing.assert_array_equal(volume.array, expected.array)
 
 
 @pytest.mark.parametrize("syntax", [JPEGLSLossless, JPEG2000Lossless])

@@ -154,8 +154,12 @@ def _set(**values):
      {"StudyDate": "", "PatientAge": "", "StudyID": "", "AccessionNumber": "", "PatientID": ""}),
     (_set(PatientName="N" * 65 + "^John", StudyDescription="d" * 65, PatientWeight="70.1234567890123456"),
      {"PatientName": "", "StudyDescription": "", "PatientWeight": ""}),
+    (_set(StudyDescription=["A", "B"], ReferringPhysicianName="A^B^C^D^E^F", AdmittingDiagnosesDescription="a\tb",
+          PatientComments="two\nlines"),
+     {"StudyDescription": "", "ReferringPhysicianName": "", "AdmittingDiagnosesDescription": "",
+      "PatientComments": "two\nlines"}),
 ], ids=["sex-U", "iso-date-and-time", "empty-charset", "japanese-code-extensions", "iso-ir-6", "no-slice-thickness",
-        "acr-nema-date-age-and-long-ids", "long-name-description-and-weight"])
+        "acr-nema-date-age-and-long-ids", "long-name-description-and-weight", "multiplicity-components-controls"])
 # pydicom, as the test writes the invalid source values
 @pytest.mark.filterwarnings("ignore:Invalid value for VR", "ignore:The value length", "ignore:The PN component length")
 def test_seg_survives_headers_seen_in_the_wild(tmp_path, edit, expected):

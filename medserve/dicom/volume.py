@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pydicom
 from pydicom.datadict import keyword_for_tag
 from pydicom.tag import Tag
 
+from medserve.dicom.edits import copy_with
 from medserve.dicom.index import Instance, Series, read_dataset
 from medserve.dicom.memory import volume_array
 from medserve.dicom.pixels import check_first_frame_length, check_jpeg_end, mask_native_frames, read_slices
@@ -409,41 +411,62 @@ _FRAME_GEOMETRY = (("PlaneOrientationSequence", "ImageOrientationPatient", 6),
                    ("PlanePositionSequence", "ImagePositionPatient", 3))
 
 
-def _check_frames_layout(dataset: pydicom.Dataset, name: str) -> None:
-    """Refuse, in the terms of the header, the frame layouts highdicom would refuse as 'not a regular stack' or
-    with a message about something else: a big-endian object, functional groups missing or not one per frame,
-    frames without positions, frames of several orientations or pixel spacings, several frames at one position
-    (phases or echoes). The geometry of an object of one frame is left to highdicom."""
+def _frames_for_highdicom(dataset: pydicom.Dataset, name: str) -> pydicom.Dataset:
+    """`dataset` as highdicom can place its frames, or VolumeError naming from the header what keeps them from
+    forming a volume, where highdicom would say 'not a regular stack' or something unrelated: functional groups
+    missing or not one per frame, a frame without a position, frames of several orientations or pixel spacings,
+    several frames at one position (phases or echoes), a big-endian object. highdicom wants every frame's
+    orientation and pixel spacing exactly equal: values apart by float noise only (within 1e-4) are made the first
+    frame's, in a copy; the caller's dataset stays as it is. The geometry of an object of one frame is left to
+    highdicom."""
     def refuse(problem: str) -> VolumeError:
         return VolumeError(f"{name}: multi-frame image does not form a regular volume ({problem})")
 
-    if _is_big_endian(dataset):
-        raise VolumeError(f"{name}: multi-frame image in Explicit VR Big Endian (a retired transfer syntax), which "
-                          "highdicom cannot read; expected a little-endian transfer syntax (convert it, e.g. "
-                          "`dcmconv +te`)")
     frames, per_frame = number_of_frames(dataset), dataset.get("PerFrameFunctionalGroupsSequence")
     if per_frame is not None and len(per_frame) != frames:  # highdicom would read NumberOfFrames, drop the rest
         raise VolumeError(f"{name}: NumberOfFrames is {frames} but PerFrameFunctionalGroupsSequence has "
                           f"{len(per_frame)} items; expected one item per frame")
-    if frames < 2:
-        return
-    if not per_frame:
-        raise refuse(f"it has no PerFrameFunctionalGroupsSequence, where the positions of its {frames} frames are "
-                     "stated")
-    values = {}
-    for sequence, keyword, count in _FRAME_GEOMETRY:
-        values[keyword] = _frame_values(dataset, sequence, keyword)
-        if (missing := next((i for i, v in enumerate(values[keyword]) if v is None or len(v) != count), None)) \
-                is not None:
-            raise refuse(f"frame {missing + 1} has no {keyword} of {count} numbers, in its own {sequence} or the "
-                         "shared one")
-        first = values[keyword][0]
-        other = next((i for i, v in enumerate(values[keyword]) if not np.allclose(v, first, atol=1e-4)), None)
-        if other is not None and keyword != "ImagePositionPatient":
-            raise refuse(f"its frames differ in {keyword}: {_decimals(first)} in frame 1, "
-                         f"{_decimals(values[keyword][other])} in frame {other + 1}")
-    normal = np.cross(*_orthonormal(np.asarray(values["ImageOrientationPatient"][0])))
-    distances = np.asarray(values["ImagePositionPatient"], dtype=np.float64) @ normal
+    noisy: list[tuple[str, str, tuple[float, ...]]] = []
+    if frames > 1:
+        if not per_frame:
+            raise refuse(f"it has no PerFrameFunctionalGroupsSequence, where the positions of its {frames} frames "
+                         "are stated")
+        values = {}
+        for sequence, keyword, count in _FRAME_GEOMETRY:
+            values[keyword] = _frame_values(dataset, sequence, keyword)
+            if (missing := next((i for i, v in enumerate(values[keyword]) if v is None or len(v) != count),
+                                None)) is not None:
+                raise refuse(f"frame {missing + 1} has no {keyword} of {count} numbers, in its own {sequence} or "
+                             "the shared one")
+            first = values[keyword][0]
+            if keyword == "ImagePositionPatient" or all(v == first for v in values[keyword]):
+                continue
+            other = next((i for i, v in enumerate(values[keyword])
+                          if not np.allclose(v, first, rtol=0, atol=_ORIENTATION_TOLERANCE)), None)
+            if other is not None:
+                raise refuse(f"its frames differ in {keyword}: {_decimals(first)} in frame 1, "
+                             f"{_decimals(values[keyword][other])} in frame {other + 1}")
+            noisy.append((sequence, keyword, first))
+        _check_distinct_positions(values["ImagePositionPatient"], values["ImageOrientationPatient"][0], refuse)
+    if _is_big_endian(dataset):
+        raise VolumeError(f"{name}: multi-frame image in Explicit VR Big Endian (a retired transfer syntax), which "
+                          "highdicom cannot read; expected a little-endian transfer syntax (convert it, e.g. "
+                          "`dcmconv +te`)")
+    if not noisy:
+        return dataset
+    evened_frames = copy.deepcopy(per_frame)
+    for frame in evened_frames:
+        for sequence, keyword, first in noisy:
+            if frame.get(sequence) and keyword in frame[sequence][0]:
+                frame[sequence][0][keyword].value = list(first)
+    return copy_with(dataset, {"PerFrameFunctionalGroupsSequence": evened_frames})
+
+
+def _check_distinct_positions(positions: list, orientation: tuple[float, ...],
+                              refuse: Callable[[str], VolumeError]) -> None:
+    """Refuse (with `refuse(problem)`) frames that lie at one position along the normal."""
+    normal = np.cross(*_orthonormal(np.asarray(orientation)))
+    distances = np.asarray(positions, dtype=np.float64) @ normal
     order = np.argsort(distances, kind="stable")
     if (at := next((i for i, gap in enumerate(np.diff(distances[order])) if gap < 1e-3), None)) is not None:
         shared = [int(f) + 1 for f in order if abs(distances[f] - distances[order[at]]) < 1e-3]
@@ -487,10 +510,10 @@ def multiframe_geometry(dataset: pydicom.Dataset,
     `load_series` stacks them: a label map in that order becomes a Volume (`with_array`) that highdicom maps onto
     the frames by position, whatever order they are stored in. VolumeError when they do not form a volume."""
     name = getattr(dataset, "filename", None) or f"SOP instance {dataset.get('SOPInstanceUID', '?')}"
-    _check_frames_layout(dataset, name)
+    evened = _frames_for_highdicom(dataset, name)
     atol = _multiframe_atol(dataset, name, tolerance)
     try:  # from_dataset without copying converts the object it is given: a shallow copy keeps the caller's as it is
-        geometry = hd.Image.from_dataset(copy.copy(dataset), copy=False).get_volume_geometry(
+        geometry = hd.Image.from_dataset(copy.copy(evened), copy=False).get_volume_geometry(
             atol=atol, allow_duplicate_positions=False)  # as get_volume: several phases at one position are no volume
     except Exception as error:  # highdicom raises assorted types on frame layouts it cannot place
         raise VolumeError(f"{name}: multi-frame image does not form a regular volume ({error})") from error
@@ -586,7 +609,7 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
         dataset = read_dataset(instance)  # also a file written without the preamble
     except Exception as error:  # pydicom raises assorted types on damaged files
         raise VolumeError(f"{instance.path}: cannot be read ({error})") from error
-    _check_frames_layout(dataset, str(instance.path))
+    dataset = _frames_for_highdicom(dataset, str(instance.path))
     _check_frame_count(dataset, instance)
     if "PixelData" in dataset:
         try:

@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import quote
 
 from medserve.logs import announce
-from medserve.net import is_loopback
+from medserve.net import http_url, is_loopback
 from medserve.server.config import ServerConfig
 from medserve.stopping import terminable
 
@@ -175,7 +175,7 @@ def serve_command(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {config.host}:{config.port} ({error.strerror or error})", file=sys.stderr)
         return 2
     app = create_app(config)
-    url = f"http://{config.host}:{config.port}"
+    url = http_url(config.host, config.port)
     announce(log, f"medserve serving {config.store}/ on {url} (data in {config.data_dir}/)", url=url,
              store=str(config.store), data_dir=str(config.data_dir))
     # log_config=None: uvicorn's records go through our handler (one JSON object per line with

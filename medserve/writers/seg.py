@@ -25,7 +25,7 @@ import highdicom._standard_utils as hd_standard_utils
 import numpy as np
 from pydicom import config
 from pydicom.charset import convert_encodings
-from pydicom.datadict import keyword_for_tag
+from pydicom.datadict import dictionary_VM
 from pydicom.dataset import Dataset
 from pydicom.multival import MultiValue
 from pydicom.sr.codedict import codes
@@ -34,6 +34,7 @@ from pydicom.uid import UID, generate_uid
 from pydicom.valuerep import DA, TM, validate_value
 
 import medserve
+from medserve.dicom.edits import copy_with
 from medserve.dicom.values import decimal_values, number_of_frames, stored_bytes
 from medserve.dicom.volume import single_image_spacing
 from medserve.errors import DicomInputError
@@ -375,17 +376,7 @@ def _first_source(source: list[Dataset]) -> Dataset:
         changes["SpacingBetweenSlices"] = single_image_spacing(dataset, warn=False)
     if (shared := _shared_geometry(dataset, name)) is not None:
         changes["SharedFunctionalGroupsSequence"] = shared
-    if not changes:
-        return dataset
-    patched = Dataset()
-    for tag in dataset.keys():  # reading each element decodes it with the source's own character set
-        if keyword_for_tag(tag) not in changes:  # replaced ones may not even convert ('abc' as a DS)
-            patched.add(dataset[tag])
-    if (file_meta := getattr(dataset, "file_meta", None)) is not None:  # datasets built in memory may have none
-        patched.file_meta = file_meta
-    for keyword, value in changes.items():  # new elements: the copy shares the others with the caller's header
-        setattr(patched, keyword, value)
-    return patched
+    return copy_with(dataset, changes) if changes else dataset
 
 
 _SHARED_GEOMETRY = ("PixelMeasuresSequence", "PlaneOrientationSequence")
@@ -500,19 +491,32 @@ _TEXT_VRS = frozenset({"AE", "AS", "CS", "DA", "DS", "DT", "IS", "LO", "LT", "PN
                        "UT"})
 
 
+# Control characters: text VRs allow none but ESC (of character set switches); LT, ST, UT also TAB, LF, FF, CR.
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1a\x1c-\x1f\x7f]")
+_CONTROL_CHARACTERS_IN_FREE_TEXT = re.compile(r"[\x00-\x08\x0b\x0e-\x1a\x1c-\x1f\x7f]")
+
+
 def _not_allowed(dataset: Dataset, keyword: str) -> str:
     """Why a value highdicom would copy into the SEG is one dciodvfy refuses, or '' when it is allowed: a value
-    not of its VR's characters, length or form, a date or time that does not exist, a PatientSex other than
-    M, F or O."""
+    not of its VR's characters, length or form, several values where one is allowed, a name of more than five
+    components, a date or time that does not exist, a PatientSex other than M, F or O."""
     try:
         element = dataset[keyword]
         value = element.value
         if element.VR not in _TEXT_VRS or value in (None, ""):
             return ""
-        for one in value if isinstance(value, MultiValue) else [value]:
+        values = list(value) if isinstance(value, MultiValue) else [value]
+        if len(values) > 1 and dictionary_VM(element.tag) == "1":
+            return f"{len(values)} values where one is allowed"
+        controls = _CONTROL_CHARACTERS_IN_FREE_TEXT if element.VR in ("LT", "ST", "UT") else _CONTROL_CHARACTERS
+        for one in values:
             text = str(one)
             if keyword == "PatientSex" and text not in ("M", "F", "O"):
                 return f"{text!r} is not M, F or O"
+            if controls.search(text):
+                return f"{text!r} holds a control character"
+            if element.VR == "PN" and any(group.count("^") > 4 for group in text.split("=")):
+                return f"{text!r} has more than the five components of a name"
             validate_value(element.VR, text, config.RAISE)
             if element.VR == "DA":
                 DA(text)

@@ -13,6 +13,7 @@ import pydicom
 import pytest
 from tusclient import client as tus
 
+from medserve.net import http_url
 from medserve.server.client import UploadKey, UploadUrls, study_zip
 from tests.conftest import run_unprivileged
 from tests.server.conftest import REPO, add_bundle
@@ -551,6 +552,13 @@ def test_the_servers_log_is_one_json_object_per_line_uvicorns_lines_too(tmp_path
         f"http://127.0.0.1:{port}"], lines
     assert any(entry["logger"].startswith("uvicorn") and "Invalid HTTP request" in entry["msg"]
                for entry in entries), lines
+
+
+@pytest.mark.parametrize(("host", "url"), [("127.0.0.1", "http://127.0.0.1:8000"),
+                                         ("localhost", "http://localhost:8000"), ("::1", "http://[::1]:8000")])
+def test_the_start_up_line_s_url_puts_an_ipv6_address_in_brackets(host: str, url: str) -> None:
+    """'http://::1:8000' is no URL: a log reader taking the url field could not connect."""
+    assert http_url(host, 8000) == url
 
 
 def test_an_upload_goes_on_when_a_parallel_run_removes_the_cached_zip(thr_server, tmp_path: Path,
