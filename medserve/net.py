@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+from urllib.parse import urlsplit, urlunsplit
 
 
 def is_loopback(host: str) -> bool:
@@ -18,3 +19,12 @@ def is_loopback(host: str) -> bool:
 def http_url(host: str, port: int) -> str:
     """The URL of an HTTP server listening on `host` and `port`: an IPv6 address in brackets (RFC 3986)."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def without_credentials(url: str) -> str:
+    """`url` without the user name and password it may carry (`http://user:secret@host/...`): the form answers
+    and logs show; requests still use the URL as given."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

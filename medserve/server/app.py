@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import shutil
 import sqlite3
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -97,21 +99,25 @@ async def remove_folder(folder: Path) -> None:
         await anyio.to_thread.run_sync(shutil.rmtree, folder, True)
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T],
+                              on_gone: Callable[[], None] = lambda: None) -> T:
     """`work`, given up when the client goes away (checked twice a second): a client that timed out must not keep
     its place in the model's queue, nor have its study run. A run already in its thread goes on to its end (it
-    cannot be interrupted), and its result is dropped."""
+    cannot be interrupted), and its result is dropped; `on_gone()` tells a thread that can stop (a pull) to."""
     task = asyncio.ensure_future(work)
     try:
         while not (await asyncio.wait({task}, timeout=0.5))[0]:
             if await request.is_disconnected():
+                on_gone()
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task  # its own failure, if any, is no one's concern now
                 raise ApiError(499, "client_closed_request", "the client went away before the result was ready")
         return task.result()
     finally:
-        task.cancel()  # the server is stopping (or done: then a no-op)
+        if not task.done():  # the server is stopping
+            on_gone()
+            task.cancel()
 
 
 def idempotency_key(request: Request) -> str | None:
@@ -247,7 +253,14 @@ def create_app(config: ServerConfig) -> FastAPI:
                     raise ApiError(400, "bad_parameter", "writeback applies to jobs (POST /v1/jobs), which store the "
                                    "SEG back; a sync request returns it")
                 if spec.kind == "dicomweb":
-                    spec = await anyio.to_thread.run_sync(pull, config, spec, work, False)
+                    gone = threading.Event()
+
+                    def stop_if_gone() -> None:
+                        if gone.is_set():
+                            raise ApiError(499, "client_closed_request", "the client went away during the pull")
+
+                    spec = await unless_disconnected(request, anyio.to_thread.run_sync(
+                        functools.partial(pull, config, spec, work, False, check=stop_if_gone)), on_gone=gone.set)
                 outcome = await unless_disconnected(request, execute_async(store, name, spec, work / "out",
                                                                            nifti=fmt == "nifti"))
                 result = outcome.result

@@ -1,9 +1,9 @@
 """DICOMweb client side: WADO-RS pulls streamed to disk part by part, STOW-RS write-back of the SEG.
 
-Failures map to HTTP statuses the sync endpoints return as-is: store unreachable -> 502, store too slow -> 504,
-study/series unknown to the store -> 404, an answer that is not what DICOMweb promises (parts that are not DICOM,
-a STOW-RS answer listing refused instances, whatever its status) -> 502. `retryable` tells the job runner which
-ones to retry with backoff.
+Failures map to HTTP statuses the sync endpoints return as-is: store unreachable -> 502, store too slow (silent for
+a timeout, or sending under 1 MiB in one) -> 504, study/series unknown to the store -> 404, an answer that is not
+what DICOMweb promises (parts that are not DICOM, a STOW-RS answer listing refused instances, whatever its status)
+-> 502. `retryable` tells the job runner which ones to retry with backoff.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from xml.etree import ElementTree
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import quote
@@ -21,6 +21,7 @@ from urllib.parse import quote
 import httpx
 import pydicom
 
+from medserve.net import without_credentials
 from medserve.server.errors import ApiError
 from medserve.server.inputs import NOT_DICOM, sniff
 
@@ -34,6 +35,7 @@ FAILURE_REASON = "00081197"
 _CUT_SHORT = re.compile(r"without sending complete message body|incomplete chunked read", re.IGNORECASE)
 REFERENCED_SOP_SEQUENCE = "00081199"
 REFERENCED_SOP_INSTANCE_UID = "00081155"
+SOP_INSTANCE_UID = "00080018"
 # PS3.18 Table 10.5.3-1 / PS3.4 Annex C: the failure reasons STOW-RS stores give.
 FAILURE_REASONS = {0x0110: "processing failure", 0x0122: "SOP class not supported", 0x0124: "not authorized",
                    0xA700: "out of resources", 0xA900: "data set does not match SOP class",
@@ -125,21 +127,51 @@ def split_multipart(chunks: Iterable[bytes], boundary: bytes,
 
 
 class DicomWebClient:
+    """The store at `url` (credentials may be in it, `http://user:secret@host/dicom-web`; messages never show
+    them). `timeout`: seconds a connection or a read may wait, and the window in which a retrieve must receive at
+    least `MIN_BYTES_PER_WINDOW` (a store sending a trickle would otherwise hold a pull for hours)."""
+
+    MIN_BYTES_PER_WINDOW = 1024 * 1024
+
     def __init__(self, url: str, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
+        self.shown = without_credentials(self.url)
         self.timeout = timeout
 
     def _fail(self, error: Exception, what: str) -> DicomWebError:
+        reason = str(error).replace(self.url, self.shown)
         if isinstance(error, httpx.TimeoutException):
-            return DicomWebError(504, "dicomweb_timeout", f"DICOM store at {self.url} timed out during {what}", True)
-        if isinstance(error, httpx.RemoteProtocolError) and _CUT_SHORT.search(str(error)):
-            return DicomWebError(502, "dicomweb_truncated", f"DICOM store at {self.url}: its answer during {what} "
-                                 f"ended early: {error}", True)
+            return DicomWebError(504, "dicomweb_timeout", f"DICOM store at {self.shown} timed out during {what}",
+                                 True)
+        if isinstance(error, httpx.RemoteProtocolError) and _CUT_SHORT.search(reason):
+            return DicomWebError(502, "dicomweb_truncated", f"DICOM store at {self.shown}: its answer during {what} "
+                                 f"ended early: {reason}", True)
         return DicomWebError(502, "dicomweb_unreachable",
-                             f"DICOM store at {self.url} is unreachable during {what}: {error}", True)
+                             f"DICOM store at {self.shown} is unreachable during {what}: {reason}", True)
 
-    def pull(self, study: str, series: str | None, dest: Path) -> int:
-        """WADO-RS retrieve of a series (or the whole study) into `dest/NNNNNN.dcm`; returns instance count."""
+    def _paced(self, chunks: Iterable[bytes], check: Callable[[], None] | None) -> Iterator[bytes]:
+        """`chunks` as they arrive, refused as too slow when a window of `timeout` seconds brings less than
+        `MIN_BYTES_PER_WINDOW`; `check()` is called about once a second between reads, and may raise to stop."""
+        window_start = checked = time.monotonic()
+        received = 0
+        for chunk in chunks:
+            received += len(chunk)
+            now = time.monotonic()
+            if now - window_start >= self.timeout:
+                if received < self.MIN_BYTES_PER_WINDOW:
+                    raise DicomWebError(504, "dicomweb_timeout", f"DICOM store at {self.shown} is too slow: it sent "
+                                        f"{received} bytes in the last {now - window_start:.0f} s of a retrieve "
+                                        f"(at least {self.MIN_BYTES_PER_WINDOW} expected)", True)
+                window_start, received = now, 0
+            if check is not None and now - checked >= 1.0:
+                check()
+                checked = now
+            yield chunk
+
+    def pull(self, study: str, series: str | None, dest: Path, check: Callable[[], None] | None = None) -> int:
+        """WADO-RS retrieve of a series (or the whole study) into `dest/NNNNNN.dcm`; returns instance count.
+        `check()`, called about once a second while the answer arrives, may raise to stop (a cancelled job, a
+        client gone); a store that sends nothing is given up after `timeout` seconds either way."""
         path = f"/studies/{quote(study, safe='')}" + (f"/series/{quote(series, safe='')}" if series else "")
         dest.mkdir(parents=True, exist_ok=True)
         counter = iter(range(10**9))
@@ -159,8 +191,8 @@ class DicomWebClient:
                 if r.status_code >= 400:
                     raise DicomWebError(502, "dicomweb_error", f"store answered {r.status_code} for {path}",
                                         r.status_code >= 500)
-                count = split_multipart(r.iter_bytes(1024 * 1024), _boundary(r.headers.get("content-type", "")),
-                                        open_part)
+                count = split_multipart(self._paced(r.iter_bytes(), check),
+                                        _boundary(r.headers.get("content-type", "")), open_part)
         except httpx.HTTPError as error:
             raise self._fail(error, "retrieve") from error
         if count == 0:
@@ -173,7 +205,7 @@ class DicomWebClient:
 
     def store(self, files: list[Path]) -> dict:
         """STOW-RS the files (the SEG) to the store; returns the store's JSON answer."""
-        sent = [_sop_instance_uid(path) for path in files]  # a SEG that cannot be read fails before it is sent
+        sent = [_instance_uids(path) for path in files]  # a SEG that cannot be read fails before it is sent
         boundary = uuid.uuid4().hex
         part_head = f"--{boundary}\r\nContent-Type: application/dicom\r\n\r\n".encode()
         closing = f"--{boundary}--\r\n".encode()
@@ -213,12 +245,38 @@ class DicomWebClient:
                                 r.status_code >= 500)
         stored = _stored_instances(answer)
         if stored is not None:  # an answer that lists what it stored must list what was sent
-            missing = [path.name for path, uid in zip(files, sent) if uid not in stored]
+            missing = [path.name for path, uids in zip(files, sent) if uids[2] not in stored]
             if missing:
                 raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered {r.status_code} but its "
                                     f"ReferencedSOPSequence does not list {len(missing)} of the {len(files)} "
                                     f"instances sent ({', '.join(missing[:3])}): the store did not keep them", False)
+        for uids in sent:
+            self._confirm_listed(*uids, stow_status=r.status_code)
         return answer if isinstance(answer, dict) else {}
+
+    def _confirm_listed(self, study: str, series: str, instance: str, stow_status: int) -> None:
+        """Search (QIDO-RS) for an instance just stored: a store may answer a STOW with success and drop the
+        instance all the same (a filter rule, a quota), and a job must not report a write-back that left nothing.
+        Asked three times over 1.5 s, as a store may list what it stored a moment later. A store that cannot be
+        searched (an answer other than 200, 204 or 404) is taken at its word, with a warning."""
+        path = f"/studies/{quote(study, safe='')}/series/{quote(series, safe='')}/instances"
+        for attempt in range(3):
+            try:
+                r = httpx.get(self.url + path, params={"SOPInstanceUID": instance},
+                              headers={"Accept": "application/dicom+json"}, timeout=self.timeout)
+            except httpx.HTTPError as error:
+                raise self._fail(error, "the search for the stored SEG") from error
+            if r.status_code not in (200, 204, 404):
+                log.warning("the DICOM store at %s answered %d to a search for the SEG it stored (%s); taking the "
+                            "STOW-RS answer's word that it keeps it", self.shown, r.status_code, instance)
+                return
+            if r.status_code == 200 and _lists_instance(r, instance):
+                return
+            if attempt < 2:
+                time.sleep(0.5 * (attempt + 1))
+        raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered {stow_status}, but the store does not "
+                            f"list instance {instance} afterwards (QIDO-RS {path}): it did not keep it (a filter or "
+                            "rule of the store may drop SEGs)", False)
 
 
 def _stow_answer(response: httpx.Response) -> dict | None:
@@ -289,8 +347,21 @@ def _stored_instances(answer: object) -> set[str] | None:
     return {str(uid) for item in items if (uid := _first_value(item, REFERENCED_SOP_INSTANCE_UID)) is not None}
 
 
-def _sop_instance_uid(path: Path) -> str:
-    return str(pydicom.dcmread(path, stop_before_pixels=True, specific_tags=["SOPInstanceUID"]).SOPInstanceUID)
+def _instance_uids(path: Path) -> tuple[str, str, str]:
+    """(study, series, SOP instance) UIDs of a file."""
+    header = pydicom.dcmread(path, stop_before_pixels=True,
+                             specific_tags=["StudyInstanceUID", "SeriesInstanceUID", "SOPInstanceUID"])
+    return str(header.StudyInstanceUID), str(header.SeriesInstanceUID), str(header.SOPInstanceUID)
+
+
+def _lists_instance(response: httpx.Response, instance: str) -> bool:
+    """Whether a QIDO-RS answer (a DICOM JSON list) lists the SOP instance `instance`."""
+    try:
+        found = response.json()
+    except ValueError:
+        return False
+    return isinstance(found, list) and any(
+        isinstance(item, dict) and _first_value(item, SOP_INSTANCE_UID) == instance for item in found)
 
 
 def _failure_reason(item: dict) -> str:

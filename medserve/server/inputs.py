@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message
 
 from medserve.dicom.index import looks_like_dicom
+from medserve.net import without_credentials
 from medserve.server.errors import ApiError, disk_full, header_int, insufficient_storage, shown
 from medserve.server.multipart import FilePart, MultipartReader, body_charset
 from medserve.server.streams import body_chunks, stalled
@@ -365,6 +366,9 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
         body = await input_json(request)
         options = request_options(request, body.items())
         check(options)
+        if "upload" in body and "study" in body:
+            raise ApiError(400, "bad_json", "give either 'upload' (a tus upload) or 'study' (a DICOMweb reference), "
+                           "not both")
         if "upload" in body:
             if not isinstance(body["upload"], str):
                 raise ApiError(400, "bad_json", f"'upload' must be the id of a tus upload (a string), not "
@@ -381,9 +385,12 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
             if not configured:
                 raise ApiError(400, "no_dicomweb", "this server has no DICOMweb store configured (--dicomweb)")
             named = body.get("store")
-            if named and str(named).rstrip("/") != configured.rstrip("/"):
-                # Only the configured store is ever contacted: a client cannot make the server fetch any URL.
-                raise ApiError(400, "unknown_store", f"this server reads only from {configured}, not {named}")
+            ours = without_credentials(configured.rstrip("/"))
+            if named and without_credentials(str(named).rstrip("/")) != ours:
+                # Only the configured store is ever contacted: a client cannot make the server fetch any URL. Its
+                # credentials are the server's: a client names the store without them, and is never shown them.
+                raise ApiError(400, "unknown_store", f"this server reads only from {ours}, not "
+                               f"{without_credentials(str(named))}")
             return InputSpec("dicomweb", study=body["study"], series=series), options
         raise ApiError(400, "bad_json", "expected {\"upload\": ID} or {\"study\": UID, \"series\": UID?}")
     if content_type == "multipart/form-data":

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from medserve.errors import MedserveError
+from medserve.net import without_credentials
 from medserve.server import maps
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, DicomWebError, with_retries
@@ -286,7 +287,7 @@ class JobQueue:
         if row["writeback_result"]:
             return json.loads(row["writeback_result"])
         state = "not_attempted" if row["state"] in FINAL else "pending"
-        return {"target": self.config.dicomweb_url, "state": state, "error": None}
+        return {"target": without_credentials(self.config.dicomweb_url or ""), "state": state, "error": None}
 
     def result_path(self, job_id: str, choose: Callable[[list[str]], str]) -> tuple[Path, str]:
         """The file of a succeeded job's result in the format `choose` picks from the job's outputs: the format the
@@ -525,7 +526,8 @@ class JobQueue:
             self._progress(job_id, "pulling from the DICOM store", 0.1)
             t = time.monotonic()
             spec = pull(self.config, spec, work, retry=True, on_retry=lambda n, e: self._waiting(
-                job_id, f"DICOM store failed ({e.code}); retry {n}", 0.1))
+                job_id, f"DICOM store failed ({e.code}); retry {n}", 0.1),
+                check=lambda: self._waiting(job_id, "pulling from the DICOM store", 0.1))
             timings["pull_s"] = time.monotonic() - t
         outcome = execute(self.store, model, spec, tmp, nifti=True,
                           on_stage=lambda stage, progress: self._progress(job_id, stage, progress),
@@ -553,10 +555,14 @@ class JobQueue:
 
     def _store_back(self, job_id: str, seg: Path) -> None:
         """STOW-RS the SEG to the configured store and record the outcome; a refusal fails the job."""
-        target = self.config.dicomweb_url or ""
-        client = DicomWebClient(target, self.config.dicomweb_timeout)
+        client = DicomWebClient(self.config.dicomweb_url or "", self.config.dicomweb_timeout)
+        target = client.shown
         try:
-            with_retries(lambda: client.store([seg]), self.config.dicomweb_retries, self.config.dicomweb_backoff)
+            with_retries(lambda: client.store([seg]), self.config.dicomweb_retries, self.config.dicomweb_backoff,
+                         lambda n, e: self._progress(job_id, f"storing the SEG back failed ({e.code}); retry {n}",
+                                                     0.95))
+        except Cancelled:
+            raise  # cancelled between tries: the job ends as cancelled, not as a failed write-back
         except DicomWebError as error:
             message = f"storing the SEG back to {target} failed: {error.message}"
             self._record_writeback(job_id, target, "failed", message)

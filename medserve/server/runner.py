@@ -31,8 +31,10 @@ class Outcome:
 
 
 def pull(config: ServerConfig, spec: InputSpec, dest: Path, retry: bool,
-         on_retry: Callable[[int, Exception], None] | None = None) -> InputSpec:
-    """Resolve a DICOMweb reference into a local folder; jobs retry with backoff, sync calls fail fast."""
+         on_retry: Callable[[int, Exception], None] | None = None,
+         check: Callable[[], None] | None = None) -> InputSpec:
+    """Resolve a DICOMweb reference into a local folder; jobs retry with backoff, sync calls fail fast. `check()`
+    is called about once a second while instances arrive, and may raise to stop the pull."""
     assert config.dicomweb_url and spec.study
     client = DicomWebClient(config.dicomweb_url, config.dicomweb_timeout)
     folder = dest / "dicom"
@@ -41,7 +43,7 @@ def pull(config: ServerConfig, spec: InputSpec, dest: Path, retry: bool,
         if folder.exists():  # a retry starts from scratch rather than mixing partial pulls
             for path in folder.iterdir():
                 path.unlink()
-        return client.pull(spec.study, spec.series, folder)
+        return client.pull(spec.study, spec.series, folder, check)
 
     if retry:
         with_retries(attempt, config.dicomweb_retries, config.dicomweb_backoff, on_retry)

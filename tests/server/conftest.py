@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -201,18 +202,24 @@ def thr_server(make_server) -> ServerThread:
 
 class FakeDicomWeb:
     """A DICOMweb store on 127.0.0.1 that records what the server asks of it: every GET path, and the SOP Instance
-    UIDs of each STOW-RS. WADO-RS answers with the files of `study`, each part labelled `part_type`; `on_stow` runs
-    before a STOW is answered, with `stow_answer` (status, DICOM JSON body, or text sent as DICOM XML). A test may
+    UIDs of each STOW-RS. WADO-RS answers with the files of `study`, each part labelled `part_type`; `trickle` sends
+    it slowly, and `gone_away` tells when the server stopped reading it. `on_stow` runs before a STOW is answered,
+    with `stow_answer` (status, DICOM JSON body, or text sent as DICOM XML). QIDO-RS for an instance lists the ones
+    a STOW answered below 400 sent, unless `keeps_stowed` is false (a store whose filter drops them). A test may
     change the attributes."""
 
     def __init__(self, study: Path | None = None, on_stow: Callable[[], None] | None = None) -> None:
         self.paths: list[str] = []
         self.stowed: list[list[str]] = []
+        self.kept: list[list[str]] = []  # what a STOW answered below 400 sent
         self.stow_framing: list[str] = []  # "chunked" or "length" per STOW request
         self.study = study
         self.part_type = "application/dicom"
         self.cut_get = False  # WADO-RS answers end halfway through, the connection closed
+        self.trickle: float | None = None  # WADO-RS answers sent at this many bytes a second
+        self.gone_away = threading.Event()  # set when the server stopped reading a trickled answer
         self.stow_answer: tuple[int, dict | str] = (200, {})
+        self.keeps_stowed = True
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -220,6 +227,13 @@ class FakeDicomWeb:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 fake.paths.append(self.path)
+                path, _, query = self.path.partition("?")
+                if path.endswith("/instances"):  # QIDO-RS
+                    wanted = urllib.parse.parse_qs(query).get("SOPInstanceUID", [])
+                    kept = [uid for uids in fake.kept for uid in uids if uid in wanted] if fake.keeps_stowed else []
+                    self._answer(200, json.dumps([{"00080018": {"vr": "UI", "Value": [uid]}} for uid in kept]).encode(),
+                                 "application/dicom+json")
+                    return
                 if fake.study is None:
                     self._answer(404, b"", "text/plain")
                     return
@@ -227,6 +241,19 @@ class FakeDicomWeb:
                 body = b"".join(f"--{boundary}\r\nContent-Type: {fake.part_type}\r\n\r\n".encode() + p.read_bytes()
                                 + b"\r\n" for p in sorted(fake.study.iterdir())) + f"--{boundary}--\r\n".encode()
                 content_type = f'multipart/related; type="application/dicom"; boundary={boundary}'
+                if fake.trickle is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    try:
+                        for start in range(0, len(body), 100):
+                            self.wfile.write(body[start:start + 100])
+                            time.sleep(100 / fake.trickle)
+                    except OSError:
+                        fake.gone_away.set()
+                    self.close_connection = True
+                    return
                 if fake.cut_get:
                     self.send_response(200)
                     self.send_header("Content-Type", content_type)
@@ -245,6 +272,8 @@ class FakeDicomWeb:
                 if on_stow is not None:
                     on_stow()
                 status, answer = fake.stow_answer
+                if status < 400:
+                    fake.kept.append(fake.stowed[-1])
                 if isinstance(answer, str):
                     self._answer(status, answer.encode(), "application/dicom+xml")
                 else:

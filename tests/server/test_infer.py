@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -168,6 +169,53 @@ def test_a_bundle_that_fails_on_the_study_gives_422_inference_failed(make_server
     assert r.json()["error"] == "inference_failed"
     assert "network/inferer (SlidingWindowInferer) failed on the input volume" in r.json()["message"]
     assert server.store.entry("four_channels").state == "loaded"  # the model stays usable for other inputs
+
+
+def test_a_store_sending_a_trickle_is_too_slow_for_a_sync_pull(make_server, tmp_path: Path) -> None:
+    """httpx's timeout is per read: a store sending 2 KB a second held the pull, and the request, for its whole
+    answer (hours for a real series). Each window of the DICOMweb timeout must now bring 1 MiB."""
+    with FakeDicomWeb(small_study(tmp_path / "study")) as store:
+        store.trickle = 2000
+        server = with_thr(make_server(dicomweb_url=store.url, dicomweb_timeout=1.0))
+        started = time.monotonic()
+        r = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3"}, timeout=15)
+        assert (r.status_code, r.json()["error"]) == (504, "dicomweb_timeout"), r.text
+        assert re.search(r"is too slow: it sent \d+ bytes in the last 1 s of a retrieve \(at least 1048576 "
+                         r"expected\)", r.json()["message"]), r.text
+        assert time.monotonic() - started < 10
+
+
+def test_a_client_gone_during_a_sync_pull_stops_the_pull(make_server, tmp_path: Path) -> None:
+    """The pull went on in its thread for as long as the store kept sending (here until the 30 s window gave up)."""
+    with FakeDicomWeb(small_study(tmp_path / "study")) as store:
+        store.trickle = 1000
+        server = with_thr(make_server(dicomweb_url=store.url))
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3"}, timeout=2)
+        assert store.gone_away.wait(10), "the server still reads the store's answer"
+
+
+def test_dicomweb_credentials_in_the_url_are_never_shown(make_server, tmp_path: Path) -> None:
+    """A store URL with user:password (how Orthanc's basic auth is given) was echoed in job JSON, 400
+    unknown_store and 502 messages, to any client with the infer scope."""
+    with FakeDicomWeb(small_study(tmp_path / "study")) as store:
+        secret_url = store.url.replace("http://", "http://medserve:s3cret@")
+        server = with_thr(make_server(dicomweb_url=secret_url))
+        job = httpx.post(server.url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+        wrong = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3", "store": "http://other/"})
+        same = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3", "store": store.url}, timeout=60)
+        deadline = time.monotonic() + 60
+        while (job := httpx.get(f"{server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL:
+            assert time.monotonic() < deadline, job
+            time.sleep(0.1)
+    down = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3"}, timeout=60)
+    assert job["state"] == "succeeded" and job["writeback_result"]["target"] == store.url, job
+    assert (wrong.status_code, wrong.json()["error"]) == (400, "unknown_store"), wrong.text
+    assert wrong.json()["message"] == f"this server reads only from {store.url}, not http://other/"
+    assert same.status_code == 200, same.text  # named without the credentials, it is the server's store
+    assert (down.status_code, down.json()["error"]) == (502, "dicomweb_unreachable"), down.text
+    for answer in (json.dumps(job), wrong.text, down.text, httpx.get(server.url + "/v1/jobs").text):
+        assert "s3cret" not in answer and "medserve:" not in answer, answer
 
 
 def test_dicomweb_references_must_be_uids(make_server, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import fcntl
 import io
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -24,6 +25,7 @@ import pytest
 
 from medserve.errors import ConfigurationError
 from medserve.server.app import create_app
+from medserve.server.jobs import FINAL
 from medserve.server.lock import DataDirInUse, lock_data_dir
 from tests.conftest import make_threshold_bundle, run_unprivileged
 from tests.server.conftest import (REPO, FakeDicomWeb, ServerProcess, add_bundle, free_port, multipart_files,
@@ -547,6 +549,66 @@ def test_a_writeback_the_store_refuses_fails_the_job_and_keeps_no_result(make_se
     assert result.status_code == 409 and result.json()["error"] == "job_has_no_result", result.text
     _gone(server.config.jobs_dir / job["id"])  # no result: no folder
     assert (server.config.jobs_dir / done["id"] / "result").is_dir()
+
+
+def test_a_writeback_the_store_answers_as_stored_but_drops_fails_the_job(make_server, study: Path) -> None:
+    """Orthanc with a filter that rejects SEGs answers the STOW 200 and lists the SEG as stored: the job said
+    `done` and succeeded, and the store had nothing. The SEG is now searched for (QIDO-RS) after the STOW."""
+    with FakeDicomWeb(study) as store:
+        store.keeps_stowed = False
+        server = with_thr(make_server(dicomweb_url=store.url))
+        job = httpx.post(server.url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+        job = _wait(server.url, job["id"], ("succeeded", "failed"))
+    [[seg_uid]] = store.stowed
+    assert job["state"] == "failed" and job["writeback_result"]["state"] == "failed", job
+    assert re.fullmatch(rf"storing the SEG back to {re.escape(store.url)} failed: STOW-RS answered 200, but the "
+                        rf"store does not list instance {re.escape(seg_uid)} afterwards \(QIDO-RS /studies/[\d.]+/"
+                        r"series/[\d.]+/instances\): it did not keep it \(a filter or rule of the store may drop "
+                        r"SEGs\)", job["error"]), job["error"]
+    assert sum("/instances?SOPInstanceUID=" in path for path in store.paths) == 3  # asked three times
+
+
+def test_cancelling_a_job_that_pulls_from_a_slow_store_frees_its_worker(make_server, study: Path) -> None:
+    """The pull went on to the end of the store's answer (here 30 s, for a real series hours) with the job
+    cancelled, and every later job waited behind it in the one worker."""
+    with FakeDicomWeb(study) as store:
+        store.trickle = 1000
+        server = with_thr(make_server(dicomweb_url=store.url))
+        slow = httpx.post(server.url + "/v1/jobs?model=thr", json={"study": "1.2.3"}).json()
+        _wait(server.url, slow["id"], ("running",))
+        deadline = time.monotonic() + 30
+        while not store.paths:
+            assert time.monotonic() < deadline, "the pull never started"
+            time.sleep(0.1)
+        assert httpx.delete(f"{server.url}/v1/jobs/{slow['id']}").json()["state"] == "cancelled"
+        assert store.gone_away.wait(10), "the cancelled job still reads the store's answer"
+        other = httpx.post(server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        assert _wait(server.url, other["id"], ("succeeded", "failed"), timeout=20)["state"] == "succeeded"
+
+
+def test_a_writeback_being_retried_says_so_in_the_job_stage(make_server, study: Path) -> None:
+    """The stage stayed 'storing the SEG back (STOW-RS)' through all the retries."""
+    stages: list[str] = []
+
+    with FakeDicomWeb(study) as store:
+        store.stow_answer = (503, {})
+        server = with_thr(make_server(dicomweb_url=store.url, dicomweb_retries=2, dicomweb_backoff=0.5))
+        job = httpx.post(server.url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
+        while (seen := httpx.get(f"{server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL:
+            stages.append(seen["stage"])
+            time.sleep(0.05)
+    assert "storing the SEG back failed (dicomweb_store_failed); retry 1" in stages, stages
+    assert seen["state"] == "failed" and len(store.stowed) == 3, seen
+
+
+def test_a_request_naming_both_an_upload_and_a_study_is_refused(make_server) -> None:
+    """The upload won without a word, and the study named beside it was ignored."""
+    server = with_thr(make_server(dicomweb_url="http://127.0.0.1:9/dicom-web"))
+    for path in ("/v1/models/thr/infer", "/v1/jobs?model=thr"):
+        r = httpx.post(server.url + path, json={"upload": "abc", "study": "1.2.3"})
+        assert r.status_code == 400 and r.json() == {
+            "error": "bad_json", "message": "give either 'upload' (a tus upload) or 'study' (a DICOMweb reference), "
+                                            "not both"}, r.text
 
 
 def test_a_writeback_that_breaks_on_our_side_still_says_how_it_ended(make_server, study: Path, monkeypatch) -> None:
