@@ -91,7 +91,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--job-retention-hours", type=_positive,
                        help="remove finished jobs (record and result) this many hours after they ended (default: "
                             "keep them)")
-    serve.add_argument("--dicomweb", help="DICOMweb root of the DICOM store that {study, series} inputs refer to")
+    serve.add_argument("--dicomweb", default=os.environ.get("MEDSERVE_DICOMWEB") or None,
+                       help="DICOMweb root of the DICOM store that {study, series} inputs refer to (default "
+                            "$MEDSERVE_DICOMWEB, the place for a URL with credentials, http://user:password@host/"
+                            "dicom-web: a command line is visible to every local user)")
     serve.add_argument("--max-upload-mb", type=_positive, default=4096, help="largest accepted upload (default 4096)")
     serve.add_argument("--stable-seconds", type=_at_least(0, float), default=2.0,
                        help="a bundle folder must be unchanged this long before it is loaded (default 2)")

@@ -554,6 +554,20 @@ def test_the_servers_log_is_one_json_object_per_line_uvicorns_lines_too(tmp_path
                for entry in entries), lines
 
 
+def test_the_dicomweb_store_may_come_from_the_environment(monkeypatch, tmp_path: Path) -> None:
+    """Credentials in --dicomweb show in `ps` to every local user; MEDSERVE_DICOMWEB keeps them off the command
+    line, and a --dicomweb given wins."""
+    from medserve.cli import build_parser
+    from medserve.server.commands import config_from_args
+
+    monkeypatch.setenv("MEDSERVE_DICOMWEB", "http://medserve:s3cret@127.0.0.1:8042/dicom-web")
+    serve = ["serve", "--store", str(tmp_path / "store"), "--data-dir", str(tmp_path / "data")]
+    assert config_from_args(build_parser().parse_args(serve)).dicomweb_url == (
+        "http://medserve:s3cret@127.0.0.1:8042/dicom-web")
+    given = build_parser().parse_args([*serve, "--dicomweb", "http://127.0.0.1:9/dicom-web"])
+    assert config_from_args(given).dicomweb_url == "http://127.0.0.1:9/dicom-web"
+
+
 @pytest.mark.parametrize(("host", "url"), [("127.0.0.1", "http://127.0.0.1:8000"),
                                          ("localhost", "http://localhost:8000"), ("::1", "http://[::1]:8000")])
 def test_the_start_up_line_s_url_puts_an_ipv6_address_in_brackets(host: str, url: str) -> None:
