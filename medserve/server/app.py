@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import shutil
@@ -118,6 +117,31 @@ async def unless_disconnected(request: Request, work: Awaitable[T],
         if not task.done():  # the server is stopping
             on_gone()
             task.cancel()
+
+
+async def pull_unless_disconnected(request: Request, config: ServerConfig, spec: InputSpec, work: Path) -> InputSpec:
+    """A sync request's DICOMweb pull into `work`, stopped at its next bytes when the client goes away (or the
+    server stops). Returns, or raises, only once the pull's thread has ended, so that the request's folder is not
+    removed while the thread still writes into it."""
+    gone, ended = threading.Event(), threading.Event()
+
+    def stop_if_gone() -> None:
+        if gone.is_set():
+            raise ApiError(499, "client_closed_request", "the client went away during the pull")
+
+    def pull_in_thread() -> InputSpec:
+        try:
+            return pull(config, spec, work, False, check=stop_if_gone)
+        finally:
+            ended.set()
+
+    try:
+        return await unless_disconnected(request, anyio.to_thread.run_sync(pull_in_thread), on_gone=gone.set)
+    finally:
+        if not ended.is_set():  # it stops at its next bytes, or when the store's silence times out
+            gone.set()
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(ended.wait, 2 * config.dicomweb_timeout + 5)
 
 
 def idempotency_key(request: Request) -> str | None:
@@ -253,14 +277,7 @@ def create_app(config: ServerConfig) -> FastAPI:
                     raise ApiError(400, "bad_parameter", "writeback applies to jobs (POST /v1/jobs), which store the "
                                    "SEG back; a sync request returns it")
                 if spec.kind == "dicomweb":
-                    gone = threading.Event()
-
-                    def stop_if_gone() -> None:
-                        if gone.is_set():
-                            raise ApiError(499, "client_closed_request", "the client went away during the pull")
-
-                    spec = await unless_disconnected(request, anyio.to_thread.run_sync(
-                        functools.partial(pull, config, spec, work, False, check=stop_if_gone)), on_gone=gone.set)
+                    spec = await pull_unless_disconnected(request, config, spec, work)
                 outcome = await unless_disconnected(request, execute_async(store, name, spec, work / "out",
                                                                            nifti=fmt == "nifti"))
                 result = outcome.result

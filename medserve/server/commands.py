@@ -95,6 +95,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                        help="DICOMweb root of the DICOM store that {study, series} inputs refer to (default "
                             "$MEDSERVE_DICOMWEB, the place for a URL with credentials, http://user:password@host/"
                             "dicom-web: a command line is visible to every local user)")
+    serve.add_argument("--dicomweb-timeout", type=_positive, default=30.0,
+                       help="seconds the DICOM store may keep silent (default 30); a retrieve that has run ten times "
+                            "that long must have brought 1 MiB per this many seconds on average")
     serve.add_argument("--max-upload-mb", type=_positive, default=4096, help="largest accepted upload (default 4096)")
     serve.add_argument("--stable-seconds", type=_at_least(0, float), default=2.0,
                        help="a bundle folder must be unchanged this long before it is loaded (default 2)")
@@ -149,7 +152,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         preload=args.preload, concurrency=args.concurrency, queue_size=args.queue_size,
         job_workers=args.job_workers, job_max_attempts=args.job_max_attempts,
         job_retention_seconds=args.job_retention_hours * 3600 if args.job_retention_hours is not None else None,
-        dicomweb_url=args.dicomweb,
+        dicomweb_url=args.dicomweb, dicomweb_timeout=args.dicomweb_timeout,
         max_upload_bytes=int(args.max_upload_mb * 1024**2), stable_seconds=args.stable_seconds,
         poll_interval=args.poll_interval, device=args.device)
 
@@ -159,9 +162,13 @@ def serve_command(args: argparse.Namespace) -> int:
 
     from medserve.server.app import create_app
     from medserve.server.auth import load_tokens
+    from medserve.server.dicomweb import url_problem
     from medserve.server.lock import lock_data_dir
 
     config = config_from_args(args)
+    if config.dicomweb_url and (problem := url_problem(config.dicomweb_url)):
+        print(f"error: --dicomweb (or MEDSERVE_DICOMWEB): {problem}", file=sys.stderr)
+        return 2
     tokens = load_tokens(config.tokens_file)
     if not tokens and not is_loopback(config.host) and not config.insecure:
         print(f"error: refusing to listen on {config.host} without tokens (--tokens FILE or MEDSERVE_TOKENS); "

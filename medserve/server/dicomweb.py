@@ -1,7 +1,7 @@
 """DICOMweb client side: WADO-RS pulls streamed to disk part by part, STOW-RS write-back of the SEG.
 
 Failures map to HTTP statuses the sync endpoints return as-is: store unreachable -> 502, store too slow (silent for
-a timeout, or sending under 1 MiB in one) -> 504, study/series unknown to the store -> 404, an answer that is not
+a timeout, or a trickle: see `DicomWebClient`) -> 504, study/series unknown to the store -> 404, an answer that is not
 what DICOMweb promises (parts that are not DICOM, a STOW-RS answer listing refused instances, whatever its status)
 -> 502. `retryable` tells the job runner which ones to retry with backoff.
 """
@@ -16,7 +16,7 @@ from xml.etree import ElementTree
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pydicom
@@ -35,7 +35,6 @@ FAILURE_REASON = "00081197"
 _CUT_SHORT = re.compile(r"without sending complete message body|incomplete chunked read", re.IGNORECASE)
 REFERENCED_SOP_SEQUENCE = "00081199"
 REFERENCED_SOP_INSTANCE_UID = "00081155"
-SOP_INSTANCE_UID = "00080018"
 # PS3.18 Table 10.5.3-1 / PS3.4 Annex C: the failure reasons STOW-RS stores give.
 FAILURE_REASONS = {0x0110: "processing failure", 0x0122: "SOP class not supported", 0x0124: "not authorized",
                    0xA700: "out of resources", 0xA900: "data set does not match SOP class",
@@ -126,12 +125,33 @@ def split_multipart(chunks: Iterable[bytes], boundary: bytes,
     return parts
 
 
+_ENCODE_SPECIALS = "a password holding '/', '?' or '#' must be percent-encoded (%2F, %3F, %23)"
+
+
+def url_problem(url: str) -> str:
+    """Why `url` cannot be the DICOMweb root of a store, or '' when it can; without showing it, since it may hold a
+    password."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "expected an http:// or https:// URL naming a host"
+    try:
+        parts.port
+    except ValueError:
+        return f"its port is not a number; {_ENCODE_SPECIALS}"
+    if parts.query or parts.fragment:
+        return f"expected nothing after the DICOMweb root's path; {_ENCODE_SPECIALS}"
+    return ""
+
+
 class DicomWebClient:
     """The store at `url` (credentials may be in it, `http://user:secret@host/dicom-web`; messages never show
-    them). `timeout`: seconds a connection or a read may wait, and the window in which a retrieve must receive at
-    least `MIN_BYTES_PER_WINDOW` (a store sending a trickle would otherwise hold a pull for hours)."""
+    them). `timeout`: seconds a connection or a read may wait. A retrieve that has run `PATIENCE_WINDOWS` times
+    that long must have brought at least `MIN_BYTES_PER_WINDOW` per `timeout` on average: a store sending a trickle
+    would otherwise hold a pull for hours, while one that pauses (an archive fetching from slower storage) and then
+    sends fast is let be."""
 
     MIN_BYTES_PER_WINDOW = 1024 * 1024
+    PATIENCE_WINDOWS = 10
 
     def __init__(self, url: str, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
@@ -150,23 +170,24 @@ class DicomWebClient:
                              f"DICOM store at {self.shown} is unreachable during {what}: {reason}", True)
 
     def _paced(self, chunks: Iterable[bytes], check: Callable[[], None] | None) -> Iterator[bytes]:
-        """`chunks` as they arrive, refused as too slow when a window of `timeout` seconds brings less than
-        `MIN_BYTES_PER_WINDOW`; `check()` is called about once a second between reads, and may raise to stop."""
-        window_start = checked = time.monotonic()
+        """`chunks` as they arrive, refused as too slow (after a chunk is passed on, so that the one that ends the
+        answer always counts) once the retrieve has run `PATIENCE_WINDOWS` windows of `timeout` seconds at less
+        than `MIN_BYTES_PER_WINDOW` a window; `check()` is called about once a second between reads, and may
+        raise to stop."""
+        started = checked = time.monotonic()
         received = 0
         for chunk in chunks:
+            yield chunk
             received += len(chunk)
             now = time.monotonic()
-            if now - window_start >= self.timeout:
-                if received < self.MIN_BYTES_PER_WINDOW:
-                    raise DicomWebError(504, "dicomweb_timeout", f"DICOM store at {self.shown} is too slow: it sent "
-                                        f"{received} bytes in the last {now - window_start:.0f} s of a retrieve "
-                                        f"(at least {self.MIN_BYTES_PER_WINDOW} expected)", True)
-                window_start, received = now, 0
+            windows = (now - started) / self.timeout
+            if windows >= self.PATIENCE_WINDOWS and received < self.MIN_BYTES_PER_WINDOW * windows:
+                raise DicomWebError(504, "dicomweb_timeout", f"DICOM store at {self.shown} is too slow: it sent "
+                                    f"{received} bytes in {now - started:.0f} s of a retrieve (at least "
+                                    f"{self.MIN_BYTES_PER_WINDOW} per {self.timeout:g} s expected)", True)
             if check is not None and now - checked >= 1.0:
                 check()
                 checked = now
-            yield chunk
 
     def pull(self, study: str, series: str | None, dest: Path, check: Callable[[], None] | None = None) -> int:
         """WADO-RS retrieve of a series (or the whole study) into `dest/NNNNNN.dcm`; returns instance count.
@@ -257,10 +278,10 @@ class DicomWebClient:
     def _confirm_listed(self, study: str, series: str, instance: str, stow_status: int) -> None:
         """Search (QIDO-RS) for an instance just stored: a store may answer a STOW with success and drop the
         instance all the same (a filter rule, a quota), and a job must not report a write-back that left nothing.
-        Asked three times over 1.5 s, as a store may list what it stored a moment later. A store that cannot be
+        Asked four times over 3.5 s, as a store may list what it stored a moment later. A store that cannot be
         searched (an answer other than 200, 204 or 404) is taken at its word, with a warning."""
         path = f"/studies/{quote(study, safe='')}/series/{quote(series, safe='')}/instances"
-        for attempt in range(3):
+        for attempt in range(4):
             try:
                 r = httpx.get(self.url + path, params={"SOPInstanceUID": instance},
                               headers={"Accept": "application/dicom+json"}, timeout=self.timeout)
@@ -270,10 +291,10 @@ class DicomWebClient:
                 log.warning("the DICOM store at %s answered %d to a search for the SEG it stored (%s); taking the "
                             "STOW-RS answer's word that it keeps it", self.shown, r.status_code, instance)
                 return
-            if r.status_code == 200 and _lists_instance(r, instance):
+            if r.status_code == 200 and _lists_an_instance(r):
                 return
-            if attempt < 2:
-                time.sleep(0.5 * (attempt + 1))
+            if attempt < 3:
+                time.sleep(0.5 * 2**attempt)
         raise DicomWebError(502, "dicomweb_store_refused", f"STOW-RS answered {stow_status}, but the store does not "
                             f"list instance {instance} afterwards (QIDO-RS {path}): it did not keep it (a filter or "
                             "rule of the store may drop SEGs)", False)
@@ -354,14 +375,14 @@ def _instance_uids(path: Path) -> tuple[str, str, str]:
     return str(header.StudyInstanceUID), str(header.SeriesInstanceUID), str(header.SOPInstanceUID)
 
 
-def _lists_instance(response: httpx.Response, instance: str) -> bool:
-    """Whether a QIDO-RS answer (a DICOM JSON list) lists the SOP instance `instance`."""
+def _lists_an_instance(response: httpx.Response) -> bool:
+    """Whether a QIDO-RS answer (a DICOM JSON list) lists an instance: the search named the one wanted, and a store
+    may leave SOPInstanceUID out of what it returns."""
     try:
         found = response.json()
     except ValueError:
         return False
-    return isinstance(found, list) and any(
-        isinstance(item, dict) and _first_value(item, SOP_INSTANCE_UID) == instance for item in found)
+    return isinstance(found, list) and any(isinstance(item, dict) for item in found)
 
 
 def _failure_reason(item: dict) -> str:

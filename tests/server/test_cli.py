@@ -564,8 +564,26 @@ def test_the_dicomweb_store_may_come_from_the_environment(monkeypatch, tmp_path:
     serve = ["serve", "--store", str(tmp_path / "store"), "--data-dir", str(tmp_path / "data")]
     assert config_from_args(build_parser().parse_args(serve)).dicomweb_url == (
         "http://medserve:s3cret@127.0.0.1:8042/dicom-web")
-    given = build_parser().parse_args([*serve, "--dicomweb", "http://127.0.0.1:9/dicom-web"])
-    assert config_from_args(given).dicomweb_url == "http://127.0.0.1:9/dicom-web"
+    given = build_parser().parse_args([*serve, "--dicomweb", "http://127.0.0.1:9/dicom-web", "--dicomweb-timeout",
+                                       "90"])
+    assert (config_from_args(given).dicomweb_url, config_from_args(given).dicomweb_timeout) == (
+        "http://127.0.0.1:9/dicom-web", 90.0)
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("http://medserve:pa#ss@127.0.0.1:8042/dicom-web", "its port is not a number; a password holding '/', '?' or '#' "
+                                                       "must be percent-encoded (%2F, %3F, %23)"),
+    ("http://127.0.0.1:8042/dicom-web?pa=ss", "expected nothing after the DICOMweb root's path; a password holding "
+                                              "'/', '?' or '#' must be percent-encoded (%2F, %3F, %23)"),
+    ("127.0.0.1:8042/dicom-web", "expected an http:// or https:// URL naming a host"),
+], ids=["hash-in-password", "query", "no-scheme"])
+def test_serve_refuses_a_dicomweb_url_it_cannot_use_without_showing_it(tmp_path: Path, url: str, expected: str) -> None:
+    """An unencoded '#' in the password left the URL whole where it is shown without credentials, and httpx
+    refused it at the first pull with part of the password in the message."""
+    proc = _cli("serve", "--store", str(tmp_path), "--data-dir", str(tmp_path / "d"),
+                env={**os.environ, "MEDSERVE_DICOMWEB": url})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"error: --dicomweb (or MEDSERVE_DICOMWEB): {expected}", proc.stderr
 
 
 @pytest.mark.parametrize(("host", "url"), [("127.0.0.1", "http://127.0.0.1:8000"),

@@ -565,7 +565,7 @@ def test_a_writeback_the_store_answers_as_stored_but_drops_fails_the_job(make_se
                         rf"store does not list instance {re.escape(seg_uid)} afterwards \(QIDO-RS /studies/[\d.]+/"
                         r"series/[\d.]+/instances\): it did not keep it \(a filter or rule of the store may drop "
                         r"SEGs\)", job["error"]), job["error"]
-    assert sum("/instances?SOPInstanceUID=" in path for path in store.paths) == 3  # asked three times
+    assert sum("/instances?SOPInstanceUID=" in path for path in store.paths) == 4  # asked four times
 
 
 def test_cancelling_a_job_that_pulls_from_a_slow_store_frees_its_worker(make_server, study: Path) -> None:
