@@ -55,6 +55,11 @@ class OutputError(MedserveError):
     """A result file cannot be written (folder not writable, disk full); nothing partial is left under its name."""
 
 
+class WiringError(MedserveError, TypeError):
+    """An operator received on a port what the operator wired to it does not give (a stock operator's output where
+    ours is expected): the app's graph, the user's own code, connects the wrong ports."""
+
+
 def first_line(error: BaseException) -> str:
     """An error's message in one line, for messages that embed another library's (torch's and pydicom's run on
     for many lines); its type name when it has no message."""

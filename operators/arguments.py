@@ -1,6 +1,6 @@
 """Checks of operator constructor arguments: a wrong one is refused when the graph is composed, naming the operator
 and the argument, rather than surfacing after inference as an internal error (or, for an empty folder name, as
-files written into the current folder)."""
+files written into the current folder); and of what a port received from another operator, stock ones included."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from medserve.bundle.predictor import BundlePredictor
+from medserve.errors import WiringError
 
 
 def _type_name(value: Any) -> str:
@@ -34,3 +35,15 @@ def flag_argument(operator: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{operator}: {name}= expects True or False; got {value!r}")
     return value
+
+
+def received(operator: str, port: str, value: Any, expected: type, what: str, list_of: bool = False) -> Any:
+    """`value`, received on `port`, when it is an `expected` (a list of them with `list_of`); else a WiringError
+    naming the port, `what` was expected and what came: a stock operator's output wired to ours, say, which
+    would fail deep inside with an AttributeError."""
+    fits = (isinstance(value, list) and all(isinstance(item, expected) for item in value) if list_of
+            else isinstance(value, expected))
+    if fits:
+        return value
+    got = f"a list of {_type_name(value[0])}" if isinstance(value, list) and value else _type_name(value)
+    raise WiringError(f"{operator} {port}: expected {what}; got {got}")

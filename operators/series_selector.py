@@ -10,10 +10,10 @@ from monai.deploy.core.domain.dicom_series_selection import SelectedSeries as Sd
 from monai.deploy.core.domain.dicom_series_selection import StudySelectedSeries
 
 from medserve.dicom.select import SelectedSeries, load_rules, select_series
-from medserve.dicom.index import Instance, Series, read_dataset
+from medserve.dicom.index import Instance, Series, StudyIndex, read_dataset
 from medserve.dicom.volume import ordered_instances
 from medserve.errors import VolumeError
-from operators.arguments import flag_argument
+from operators.arguments import flag_argument, received
 from operators.failures import RunEndingOperator, reports_failures
 from operators.sdk_domain import sdk_series, sdk_study
 
@@ -60,7 +60,10 @@ class SeriesSelectorOperator(RunEndingOperator):
 
     @reports_failures
     def compute(self, op_input, op_output, context):
-        selected = select_series(op_input.receive("study_index"), self.rules, all_matched=self.all_matched,
+        index = received("SeriesSelectorOperator", "study_index", op_input.receive("study_index"), StudyIndex,
+                         "the StudyIndex of DicomLoaderOperator (the stock DICOMDataLoaderOperator's "
+                         "dicom_study_list goes to the stock DICOMSeriesSelectorOperator)")
+        selected = select_series(index, self.rules, all_matched=self.all_matched,
                                  sort_by_sop_instance_count=self.sort_by_sop_instance_count)
         op_output.emit(selected, "selected_series")
         if self.sdk_selection:

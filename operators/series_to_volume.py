@@ -8,8 +8,9 @@ from monai.deploy.core import ConditionType, OperatorSpec
 from monai.deploy.core.domain.image import Image
 
 from medserve.dicom.index import Series
-from medserve.dicom.select import first_selected
+from medserve.dicom.select import SelectedSeries, first_selected
 from medserve.dicom.volume import load_series, ras_affine
+from operators.arguments import received
 from operators.failures import RunEndingOperator, reports_failures
 from operators.sdk_domain import stock_image_metadata
 
@@ -37,7 +38,10 @@ class SeriesToVolumeOperator(RunEndingOperator):
 
     @reports_failures
     def compute(self, op_input, op_output, context):
-        choice = first_selected(op_input.receive("selected_series"))
+        choice = first_selected(received(
+            "SeriesToVolumeOperator", "selected_series", op_input.receive("selected_series"), SelectedSeries,
+            "the list of SelectedSeries of SeriesSelectorOperator (the stock DICOMSeriesSelectorOperator's "
+            "study_selected_series_list goes to the stock DICOMSeriesToVolumeOperator)", list_of=True))
         source = load_series(choice.series)
         op_output.emit(source.volume, "volume")
         op_output.emit(source, "source")

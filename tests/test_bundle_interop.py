@@ -183,6 +183,18 @@ def test_image_geometry_is_read_from_any_of_the_sdk_affines(metadata):
     np.testing.assert_allclose(converted.affine, reference.affine, rtol=0, atol=1e-12)
 
 
+def test_an_images_dicom_affines_win_over_a_stale_affine():
+    """The stock MonaiBundleInferenceOperator copies its input's metadata onto its prediction but leaves there the
+    preprocessing grid's `affine` (RAS, 3 mm): our NIfTI writer wrote a mirrored, shifted file from it."""
+    reference = reference_volume()
+    stale = np.diag([3.0, 3.0, 3.0, 1.0])
+    for metadata in ({"affine": stale, "space": "RAS", "dicom_affine_transform": reference.affine[:, [2, 1, 0, 3]],
+                      "nifti_affine_transform": ras_affine(reference)},
+                     {"affine": stale, "nifti_affine_transform": ras_affine(reference)}):
+        converted = as_volume(Image(reference.array.copy(), metadata))
+        np.testing.assert_allclose(converted.affine, reference.affine, rtol=0, atol=1e-12)
+
+
 def test_a_volume_passes_through_unchanged():
     volume = reference_volume()
     assert as_volume(volume) is volume
@@ -437,8 +449,28 @@ class OurFrontStockWriter(Application):
         self.add_flow(selector, writer, {("study_selected_series_list", "study_selected_series_list")})
 
 
+class StockLoaderOurSelector(Application):
+    def compose(self):
+        loader = DICOMDataLoaderOperator(self, CountCondition(self, 1), input_folder=input_folder, name="loader")
+        selector = SeriesSelectorOperator(self, name="selector")
+        to_volume = SeriesToVolumeOperator(self, name="to_volume")
+        self.add_flow(loader, selector, {("dicom_study_list", "study_index")})
+        self.add_flow(selector, to_volume, {("selected_series", "selected_series")})
+
+
+class StockSelectorOurVolume(Application):
+    def compose(self):
+        loader = DICOMDataLoaderOperator(self, CountCondition(self, 1), input_folder=input_folder, name="loader")
+        selector = DICOMSeriesSelectorOperator(self, name="selector")
+        to_volume = SeriesToVolumeOperator(self, name="to_volume")
+        self.add_flow(loader, selector, {("dicom_study_list", "dicom_study_list")})
+        self.add_flow(selector, to_volume, {("study_selected_series_list", "selected_series")})
+
+
 application = {"stock_front": StockFrontOurBack, "stock_writer": OurFrontStockWriter,
-               "stock_writer_without_sdk_selection": OurFrontStockWriter}[composition]
+               "stock_writer_without_sdk_selection": OurFrontStockWriter,
+               "stock_loader_our_selector": StockLoaderOurSelector,
+               "stock_selector_our_volume": StockSelectorOurVolume}[composition]
 app = application([sys.executable, __file__, "--log-level", "WARN"])
 record = watch_failures(app)
 app.run()
@@ -606,6 +638,31 @@ def test_wiring_the_sdk_selection_without_asking_for_it_fails_when_composed(tmp_
     assert run.returncode != 0, run.stdout + run.stderr
     assert "study_selected_series_list" in run.stdout + run.stderr
     assert not list(out.glob("*.dcm"))
+
+
+@pytest.mark.parametrize(("composition", "message"), [
+    ("stock_loader_our_selector", "SeriesSelectorOperator study_index: expected the StudyIndex of DicomLoaderOperator "
+                                  "(the stock DICOMDataLoaderOperator's dicom_study_list goes to the stock "
+                                  "DICOMSeriesSelectorOperator); got a list of "
+                                  "monai.deploy.core.domain.dicom_study.DICOMStudy"),
+    ("stock_selector_our_volume", "SeriesToVolumeOperator selected_series: expected the list of SelectedSeries of "
+                                  "SeriesSelectorOperator (the stock DICOMSeriesSelectorOperator's "
+                                  "study_selected_series_list goes to the stock DICOMSeriesToVolumeOperator); got a "
+                                  "list of monai.deploy.core.domain.dicom_series_selection.StudySelectedSeries"),
+])
+def test_a_stock_output_wired_to_our_operator_is_refused_naming_the_port(tmp_path, threshold_bundle, composition,
+                                                                        message):
+    """They failed deep inside ('list' object has no attribute 'studies'; 'StudySelectedSeries' object has no
+    attribute 'series')."""
+    folder = write_series(tmp_path / "series", "axial", NON_SQUARE, shape=(4, 16, 16))
+    script = tmp_path / "mixed_app.py"
+    script.write_text(MIXED_APP)
+    command = (f"ulimit -s 32768; exec {sys.executable} {script} {composition} '{folder}' '{tmp_path / 'out'}' "
+               f"'{threshold_bundle}'")
+    run = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 1, run.stdout + run.stderr  # the script's sys.exit(text)
+    assert f"error: {message}" in run.stderr.splitlines(), run.stderr  # not an 'internal error'
 
 
 @pytest.mark.parametrize("composition", ["stock_front", "stock_writer"])

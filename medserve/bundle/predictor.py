@@ -112,7 +112,8 @@ def as_volume(value: Any, role: str = "bundle inference input") -> hd.Volume:
     column) ("DHW") array, the same axis order as our volumes, and the geometry as metadata: `affine` with
     `space` ("RAS" by default, "LPS" with affine_lps_to_ras=False), `dicom_affine_transform` (LPS) and
     `nifti_affine_transform` (RAS). Those affines index voxels in the reverse order, (column, row, slice), as
-    NIfTI and MONAI's readers do; here they become an LPS affine of (slice, row, column) indices. The SDK scales
+    NIfTI and MONAI's readers do; here they become an LPS affine of (slice, row, column) indices. The DICOM-derived
+    ones are taken first: an Image may carry an `affine` another operator left stale. The SDK scales
     the column axis by PixelSpacing[0] and the row axis by PixelSpacing[1], the reverse of DICOM's meaning
     (PixelSpacing is row spacing, then column spacing); where the affine shows exactly that, the two in-plane
     axes are rebuilt from the direction cosines and the right spacings, so a series with non-square pixels gets
@@ -130,12 +131,14 @@ def as_volume(value: Any, role: str = "bundle inference input") -> hd.Volume:
     if array.ndim != 3:
         raise InferenceError(f"{role}: the Image's array has shape {array.shape}; expected 3 "
                              f"dimensions (slice, row, column)")
-    if metadata.get("affine") is not None:
-        affine, space = metadata["affine"], str(metadata.get("space") or "RAS").upper()
-    elif metadata.get("dicom_affine_transform") is not None:
+    # The DICOM-derived affines first: the stock MonaiBundleInferenceOperator copies its input's metadata onto its
+    # prediction (in the input's grid) but leaves there the preprocessing grid's `affine`.
+    if metadata.get("dicom_affine_transform") is not None:
         affine, space = metadata["dicom_affine_transform"], "LPS"
     elif metadata.get("nifti_affine_transform") is not None:
         affine, space = metadata["nifti_affine_transform"], "RAS"
+    elif metadata.get("affine") is not None:
+        affine, space = metadata["affine"], str(metadata.get("space") or "RAS").upper()
     else:
         raise InferenceError(f"{role}: the Image has no geometry; expected an 'affine' (with "
                              "'space'), 'dicom_affine_transform' or 'nifti_affine_transform' in its metadata")
