@@ -38,12 +38,15 @@ def flag_argument(operator: str, name: str, value: Any) -> bool:
 
 
 def received(operator: str, port: str, value: Any, expected: type, what: str, list_of: bool = False) -> Any:
-    """`value`, received on `port`, when it is an `expected` (a list of them with `list_of`); else a WiringError
-    naming the port, `what` was expected and what came: a stock operator's output wired to ours, say, which
-    would fail deep inside with an AttributeError."""
-    fits = (isinstance(value, list) and all(isinstance(item, expected) for item in value) if list_of
-            else isinstance(value, expected))
+    """`value`, received on `port`, when it is an `expected` (a non-empty list of them with `list_of`); else a
+    WiringError naming the port, `what` was expected and what came: a stock operator's output wired to ours, say,
+    which would fail deep inside with an AttributeError."""
+    fits = (isinstance(value, list) and bool(value) and all(isinstance(item, expected) for item in value)
+            if list_of else isinstance(value, expected))
     if fits:
         return value
-    got = f"a list of {_type_name(value[0])}" if isinstance(value, list) and value else _type_name(value)
+    if isinstance(value, list):
+        got = f"a list of {_type_name(value[0])}" if value else "an empty list"
+    else:
+        got = _type_name(value)
     raise WiringError(f"{operator} {port}: expected {what}; got {got}")

@@ -24,7 +24,7 @@ from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import load_series, ras_affine
-from medserve.errors import BundleError, DicomInputError
+from medserve.errors import BundleError, DicomInputError, WiringError
 from operators.bundle_inference import BundleInferenceOperator
 from operators.dicom_loader import DicomLoaderOperator
 from operators.failures import run_record, watch_failures
@@ -349,6 +349,16 @@ def test_operators_refuse_wrong_arguments_when_constructed(operator, arguments, 
     with pytest.raises(error) as raised:
         operator(Fragment(), name="op", **arguments)
     assert str(raised.value) == message
+
+
+@pytest.mark.parametrize(("value", "got"), [([], "an empty list"), ([1], "a list of builtins.int"),
+                                          (3, "builtins.int")])
+def test_a_port_receiving_what_it_does_not_take_is_a_wiring_error(value, got):
+    from operators.arguments import received
+
+    with pytest.raises(WiringError, match=rf"^Op port: expected strings; got {re.escape(got)}$"):
+        received("Op", "port", value, str, "strings", list_of=True)
+    assert received("Op", "port", ["a"], str, "strings", list_of=True) == ["a"]
 
 
 def test_our_nifti_writer_takes_the_stock_image_as_its_volume(tmp_path, threshold_bundle):
