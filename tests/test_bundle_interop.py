@@ -459,28 +459,25 @@ class OurFrontStockWriter(Application):
         self.add_flow(selector, writer, {("study_selected_series_list", "study_selected_series_list")})
 
 
-class StockLoaderOurSelector(Application):
+# Wrong wirings: the stock loader's output into our selector, or the stock selector's into our to-volume.
+class StockOutputIntoOurs(Application):
     def compose(self):
         loader = DICOMDataLoaderOperator(self, CountCondition(self, 1), input_folder=input_folder, name="loader")
-        selector = SeriesSelectorOperator(self, name="selector")
         to_volume = SeriesToVolumeOperator(self, name="to_volume")
-        self.add_flow(loader, selector, {("dicom_study_list", "study_index")})
-        self.add_flow(selector, to_volume, {("selected_series", "selected_series")})
-
-
-class StockSelectorOurVolume(Application):
-    def compose(self):
-        loader = DICOMDataLoaderOperator(self, CountCondition(self, 1), input_folder=input_folder, name="loader")
-        selector = DICOMSeriesSelectorOperator(self, name="selector")
-        to_volume = SeriesToVolumeOperator(self, name="to_volume")
-        self.add_flow(loader, selector, {("dicom_study_list", "dicom_study_list")})
-        self.add_flow(selector, to_volume, {("study_selected_series_list", "selected_series")})
+        if composition == "stock_loader_our_selector":
+            selector, flows = SeriesSelectorOperator(self, name="selector"), [
+                {("dicom_study_list", "study_index")}, {("selected_series", "selected_series")}]
+        else:
+            selector, flows = DICOMSeriesSelectorOperator(self, name="selector"), [
+                {("dicom_study_list", "dicom_study_list")}, {("study_selected_series_list", "selected_series")}]
+        self.add_flow(loader, selector, flows[0])
+        self.add_flow(selector, to_volume, flows[1])
 
 
 application = {"stock_front": StockFrontOurBack, "stock_writer": OurFrontStockWriter,
                "stock_writer_without_sdk_selection": OurFrontStockWriter,
-               "stock_loader_our_selector": StockLoaderOurSelector,
-               "stock_selector_our_volume": StockSelectorOurVolume}[composition]
+               "stock_loader_our_selector": StockOutputIntoOurs,
+               "stock_selector_our_volume": StockOutputIntoOurs}[composition]
 app = application([sys.executable, __file__, "--log-level", "WARN"])
 record = watch_failures(app)
 app.run()
