@@ -511,7 +511,7 @@ def multiframe_geometry(dataset: pydicom.Dataset,
     the frames by position, whatever order they are stored in. VolumeError when they do not form a volume."""
     name = getattr(dataset, "filename", None) or f"SOP instance {dataset.get('SOPInstanceUID', '?')}"
     evened = _frames_for_highdicom(dataset, name)
-    atol = _multiframe_atol(dataset, name, tolerance)
+    atol = _multiframe_atol(evened, name, tolerance)  # as the volume build has it: on the evened frames
     try:  # from_dataset without copying converts the object it is given: a shallow copy keeps the caller's as it is
         geometry = hd.Image.from_dataset(copy.copy(evened), copy=False).get_volume_geometry(
             atol=atol, allow_duplicate_positions=False)  # as get_volume: several phases at one position are no volume
