@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import highdicom as hd
-import nibabel as nib
 import numpy as np
 from pydicom.dataset import Dataset
 
 from medserve.bundle.predictor import BundlePredictor
 from medserve.dicom.index import index_folder, is_multiframe_dataset
 from medserve.dicom.select import first_selected, select_series
-from medserve.dicom.volume import LoadedSeries, load_series, lps_affine, multiframe_geometry
-from medserve.errors import NiftiInputError, one_line
+from medserve.dicom.volume import LoadedSeries, load_series, multiframe_geometry
+from medserve.errors import one_line
+from medserve.nifti_input import read_nifti
 from medserve.writers.files import writable_folder
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
@@ -122,48 +122,14 @@ def run_study(study_dir: Path | str, predictor: BundlePredictor, out_dir: Path |
     return result
 
 
-def volume_from_nifti(path: Path) -> hd.Volume:
-    """A NIfTI image as a (slice, row, column) LPS volume, the same convention as DICOM input."""
-    try:
-        image = nib.load(str(path))
-        if image.get_data_dtype().kind == "c":  # the cast below would drop the imaginary part
-            raise NiftiInputError(f"{path}: NIfTI image has complex voxels ({image.get_data_dtype()}); expected "
-                                  f"real numbers")
-        if image.get_data_dtype().fields is not None:  # RGB(A): numpy's cast error said only that it cannot
-            raise NiftiInputError(f"{path}: NIfTI image has colour voxels ({', '.join(image.get_data_dtype().names)}"
-                                  "); expected one intensity per voxel")
-        array = np.asarray(image.dataobj, dtype=np.float32)
-    except NiftiInputError:
-        raise
-    except MemoryError as error:  # a damaged header's shape (32767^3) is met by the allocation
-        gib = np.prod(image.shape, dtype=np.float64) * 4 / 2**30
-        raise NiftiInputError(f"{path}: NIfTI image of {' x '.join(map(str, image.shape))} voxels needs {gib:.1f} "
-                              f"GiB as float32, more than can be allocated here") from error
-    except Exception as error:  # nibabel raises ImageFileError, EOFError, zlib errors on damaged files
-        raise NiftiInputError(f"{path}: not a readable NIfTI image ({error})") from error
-    if array.ndim > 3 and all(size == 1 for size in array.shape[3:]):  # (x, y, z, 1): one volume of a series
-        array = array.reshape(array.shape[:3])
-    if array.ndim != 3:
-        raise NiftiInputError(f"{path}: NIfTI image has {array.ndim} dimensions; expected a 3D volume")
-    if not np.isfinite(array).all():
-        raise NiftiInputError(f"{path}: NIfTI image holds NaN or infinite voxels; expected finite intensities")
-    try:  # highdicom refuses an affine whose axes are not orthogonal with finite, non-zero spacings
-        return hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=lps_affine(image.affine),
-                         coordinate_system="PATIENT")
-    except ValueError as error:
-        raise NiftiInputError(f"{path}: NIfTI affine {np.round(image.affine, 4).tolist()} is not a rotation and "
-                              f"scaling of the voxel grid; expected orthogonal axes with non-zero spacings "
-                              f"({error})") from error
-
-
 def run_nifti(nifti_path: Path | str, predictor: BundlePredictor, out_dir: Path | str) -> StudyResult:
-    """Segment a NIfTI volume; the result is a NIfTI label map with the input's affine (no SEG without DICOM)."""
+    """Segment a NIfTI volume; the result is a NIfTI label map in the input's geometry (no SEG without DICOM)."""
     started = time.perf_counter()
-    volume = volume_from_nifti(Path(nifti_path))
-    label_map = predictor.predict(volume)
+    source = read_nifti(Path(nifti_path))
+    label_map = predictor.predict(source.volume)
     out = Path(out_dir)
     writable_folder(out)
-    nifti_out = write_nifti(label_map, volume, out / NIFTI_NAME)
+    nifti_out = write_nifti(label_map, source.volume, out / NIFTI_NAME, like=source.header)
     return StudyResult(seg_path=None, nifti_path=nifti_out, study_uid=None, series_uid=None,
                        segments=segment_counts(label_map, predictor.labels),
                        timings={"total": round(time.perf_counter() - started, 4)})

@@ -10,7 +10,6 @@ import warnings
 from pathlib import Path
 
 import highdicom as hd
-import nibabel as nib
 import numpy as np
 import pydicom
 import pytest
@@ -28,8 +27,7 @@ from medserve.demo.study import SeriesGeometry, write_ct_series
 from medserve.dicom.index import index_folder
 from medserve.dicom.select import select_series
 from medserve.dicom.volume import load_series, multiframe_geometry, ordered_instances, ras_affine, series_to_volume
-from medserve.errors import DicomInputError, NiftiInputError, VolumeError
-from medserve.pipeline import volume_from_nifti
+from medserve.errors import DicomInputError, VolumeError
 
 
 def volume_of(folder: Path) -> hd.Volume:
@@ -970,70 +968,3 @@ def test_an_enhanced_object_of_one_frame_without_a_spacing_is_warned_about_once(
     # The selection's check of the headers and the volume both place the frame; only the volume's 1 mm is news.
     assert [r.getMessage() for r in caplog.records if "taking 1 mm" in r.getMessage()] == [
         f"{tmp_path / 'multi' / 'enhanced.dcm'}: one frame without SpacingBetweenSlices or SliceThickness; taking 1 mm"]
-
-
-# ---- NIfTI volumes (the server's other input) ------------------------------------------------------------------
-
-NIFTI_AFFINE = np.array([[-0.8, 0, 0, 100], [0, -0.8, 0, 90], [0, 0, 2.5, -40], [0, 0, 0, 1]])
-
-
-def test_a_nifti_volume_keeps_its_voxels_and_affine(tmp_path):
-    voxels = np.arange(4 * 5 * 6, dtype=np.float32).reshape(4, 5, 6)  # (X, Y, Z)
-    nib.save(nib.Nifti1Image(voxels, NIFTI_AFFINE), tmp_path / "ct.nii.gz")
-    volume = volume_from_nifti(tmp_path / "ct.nii.gz")
-    np.testing.assert_array_equal(volume.array, voxels.transpose(2, 1, 0))
-    np.testing.assert_allclose(ras_affine(volume), NIFTI_AFFINE)
-
-
-@pytest.mark.parametrize("image_class,shape", [(nib.Nifti2Image, (4, 5, 6)), (nib.Nifti1Image, (4, 5, 6, 1))],
-                         ids=["nifti2", "one-volume-series"])
-def test_nifti2_and_a_single_volume_series_are_read(tmp_path, image_class, shape):
-    """NIfTI-2 was 'neither DICOM, a zip of DICOM nor NIfTI' to the server; (x, y, z, 1) was refused as 4D."""
-    from medserve.server.inputs import sniff
-
-    voxels = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
-    for name in ("ct.nii", "ct.nii.gz"):
-        nib.save(image_class(voxels, NIFTI_AFFINE), tmp_path / name)
-        assert sniff(tmp_path / name) == "nifti"
-        volume = volume_from_nifti(tmp_path / name)
-        np.testing.assert_array_equal(volume.array, voxels.reshape(4, 5, 6).transpose(2, 1, 0))
-        np.testing.assert_allclose(ras_affine(volume), NIFTI_AFFINE)
-
-
-@pytest.mark.parametrize("affine", [np.zeros((4, 4)), np.where(np.eye(4) == 1, np.nan, 0.0),
-                                    NIFTI_AFFINE + np.array([[0, 0.5, 0, 0], [0] * 4, [0] * 4, [0] * 4])],
-                         ids=["zero", "nan", "sheared"])
-def test_a_nifti_affine_that_is_no_voxel_grid_is_refused_naming_the_file(tmp_path, affine):
-    image = nib.Nifti1Image(np.zeros((4, 5, 6), np.float32), None)
-    image.header.set_qform(None, code=0)
-    image.header.set_sform(affine, code=2)
-    nib.save(image, tmp_path / "bad.nii")
-    with pytest.raises(NiftiInputError, match=rf"^{tmp_path / 'bad.nii'}: NIfTI affine .* is not a rotation and "
-                                              r"scaling of the voxel grid"):
-        volume_from_nifti(tmp_path / "bad.nii")
-
-
-@pytest.mark.parametrize(("voxels", "expected"), [
-    (np.full((4, 5, 6), np.nan, np.float32), "holds NaN or infinite voxels; expected finite intensities"),
-    (np.where(np.arange(120).reshape(4, 5, 6) == 7, np.inf, 0.0), "holds NaN or infinite voxels"),
-    (np.zeros((4, 5, 6), np.complex64), r"has complex voxels \(complex64\); expected real numbers"),
-    (np.zeros((4, 5, 6, 2), np.float32), "has 4 dimensions; expected a 3D volume"),
-    (np.zeros((4, 5, 6), [("R", "u1"), ("G", "u1"), ("B", "u1")]),
-     r"has colour voxels \(R, G, B\); expected one intensity per voxel"),  # was numpy's cast error
-], ids=["nan", "inf", "complex", "4d", "rgb"])
-def test_a_nifti_volume_that_is_not_real_finite_3d_is_refused_naming_the_file(tmp_path, voxels, expected):
-    nib.save(nib.Nifti1Image(voxels, NIFTI_AFFINE), tmp_path / "odd.nii.gz")
-    with pytest.raises(NiftiInputError, match=rf"^{tmp_path / 'odd.nii.gz'}: NIfTI image {expected}"):
-        volume_from_nifti(tmp_path / "odd.nii.gz")
-
-
-def test_a_nifti_header_declaring_more_voxels_than_memory_holds_is_refused_with_their_size(tmp_path):
-    """A damaged dim field (32767 cubed, 128 TiB as float32) ended in 'not a readable NIfTI image ()': the
-    MemoryError of the allocation has no message."""
-    image = nib.Nifti1Image(np.zeros((4, 4, 4), np.float32), NIFTI_AFFINE)
-    image.header.set_data_shape((32767, 32767, 32767))
-    path = tmp_path / "huge.nii"
-    path.write_bytes(image.header.binaryblock + bytes(4) + bytes(256))
-    with pytest.raises(NiftiInputError, match=rf"^{path}: NIfTI image of 32767 x 32767 x 32767 voxels needs "
-                                              r"131060\.0 GiB as float32, more than can be allocated here$"):
-        volume_from_nifti(path)

@@ -179,8 +179,9 @@ def _check_dicom_folder(folder: Path) -> None:
             raise ApiError(400, "not_dicom", f"{rel} is not a DICOM file ({NOT_DICOM})")
 
 
-def stage_file(path: Path, dest: Path, max_bytes: int, link: bool = False) -> InputSpec:
-    """A single received file (tus upload or raw body) -> InputSpec, by content."""
+def stage_file(path: Path, dest: Path, max_bytes: int, link: bool = False, name: str | None = None) -> InputSpec:
+    """A single received file (tus upload, raw body, or a form's one file part, `name` then its safe file name)
+    -> InputSpec, by content."""
     if path.stat().st_size == 0:
         raise ApiError(400, "empty_input", "the body is empty: expected DICOM, a zip of DICOM files or NIfTI")
     kind = sniff(path)
@@ -190,8 +191,9 @@ def stage_file(path: Path, dest: Path, max_bytes: int, link: bool = False) -> In
         _check_dicom_folder(dest / "dicom")
         return InputSpec("dicom", dest / "dicom")
     if kind == "nifti":
-        suffix = ".nii.gz" if open(path, "rb").read(2) == b"\x1f\x8b" else ".nii"
-        target = dest / f"input{suffix}"
+        suffix = ".nii.gz" if open(path, "rb").read(2) == b"\x1f\x8b" else ".nii"  # nibabel reads gzip by name
+        stem = re.sub(r"(\.nii)?(\.gz)?$", "", name or "", flags=re.IGNORECASE)
+        target = dest / f"{stem or 'input'}{suffix}"  # named as the client names it, for messages about it
         _place(path, target, link)
         return InputSpec("nifti", target)
     if kind == "dicom":
@@ -230,7 +232,7 @@ def _place(src: Path, dst: Path, link: bool) -> None:
 def _stage_parts(parts: list[FilePart], raw: Path, dest: Path, max_bytes: int) -> InputSpec:
     """The saved file parts as the input: one zip or NIfTI file staged as such, else DICOM files, every one."""
     if len(parts) == 1 and sniff(parts[0].path) in ("zip", "nifti"):
-        spec = stage_file(parts[0].path, dest, max_bytes, True)
+        spec = stage_file(parts[0].path, dest, max_bytes, True, name=parts[0].path.name)
         shutil.rmtree(raw)  # extracted, or hard-linked into place
         return spec
     for index, part in enumerate(parts):

@@ -108,8 +108,10 @@ def test_zip_upload_reference_and_nifti(demo_server, demo_study: Path, tmp_path:
     r = httpx.post(url + "/v1/models/demo/infer?format=seg", files={"file": ("image.nii.gz", image_path.read_bytes())})
     assert r.status_code == 406
     nib.save(nib.Nifti1Image(np.full((24, 24, 12), np.nan, np.float32), np.eye(4)), image_path)
-    r = httpx.post(url + "/v1/models/demo/infer", files={"file": ("image.nii.gz", image_path.read_bytes())})
-    assert r.status_code == 400 and r.json()["error"] == "bad_nifti" and "NaN" in r.json()["message"], r.text
+    r = httpx.post(url + "/v1/models/demo/infer", files={"file": ("my scan.nii.gz", image_path.read_bytes())})
+    assert r.status_code == 400 and r.json()["error"] == "bad_nifti", r.text
+    # named as the client named it (the message named the server's staging file, 'input.nii.gz')
+    assert r.json()["message"].startswith("my_scan.nii.gz: NIfTI image holds NaN"), r.text
 
 
 def test_bad_inputs_give_clear_4xx(demo_server, demo_study: Path) -> None:
