@@ -42,15 +42,15 @@ class NiftiInput:
 def read_nifti(path: Path, name: str | None = None) -> NiftiInput:
     """The NIfTI file at `path`; errors name it `name` (the client's name for it), else its path."""
     shown = name or str(path)
-    image = _load(path, shown)
-    header = _raw_header(path, image, shown)
+    header = _raw_header(path, shown)
     if bytes(header["magic"]).rstrip(b"\x00") in (b"ni1", b"ni2"):
         raise NiftiInputError(f"{shown}: a NIfTI header of a .hdr/.img pair, whose voxels are in a separate file; "
                               "expected a single-file .nii or .nii.gz")
+    affine = _world_affine(header, shown)  # first: nibabel's loader fails on a qform it cannot use, in its words
+    image = _load(path, shown)
     if 0 in image.shape:
         raise NiftiInputError(f"{shown}: NIfTI image of {' x '.join(map(str, image.shape))} voxels holds no voxels")
     array = _voxels(image, shown)
-    affine = _world_affine(header, shown)
     return NiftiInput(hd.Volume(array=np.ascontiguousarray(array.transpose(2, 1, 0)), affine=lps_affine(affine),
                                 coordinate_system="PATIENT"), header)
 
@@ -62,14 +62,17 @@ def _load(path: Path, shown: str) -> nib.Nifti1Image:
         raise NiftiInputError(f"{shown}: not a readable NIfTI image ({_one_line(error)})") from error
 
 
-def _raw_header(path: Path, image: nib.Nifti1Image, shown: str) -> nib.Nifti1Header:
+def _raw_header(path: Path, shown: str) -> nib.Nifti1Header:
     """The header as written: nibabel's loader repairs voxel sizes at or below 0 (to 1, or their absolute value)
-    where niftilib and ITK would place the image otherwise."""
+    where niftilib and ITK would place the image otherwise. NIfTI-2 by its header size (540, either byte order)."""
     try:
         with ImageOpener(str(path)) as handle:
-            return type(image.header).from_fileobj(handle, check=False)
-    except Exception as error:
-        raise NiftiInputError(f"{shown}: not a readable NIfTI header ({_one_line(error)})") from error
+            size = handle.read(4)
+            handle.seek(0)
+            nifti2 = 540 in (int.from_bytes(size, "little"), int.from_bytes(size, "big"))
+            return (nib.Nifti2Header if nifti2 else nib.Nifti1Header).from_fileobj(handle, check=False)
+    except Exception as error:  # a damaged gzip stream, a file shorter than a header
+        raise NiftiInputError(f"{shown}: not a readable NIfTI image ({_one_line(error)})") from error
 
 
 def _voxels(image: nib.Nifti1Image, shown: str) -> np.ndarray:
@@ -101,9 +104,9 @@ def _voxels(image: nib.Nifti1Image, shown: str) -> np.ndarray:
 def _world_affine(header: nib.Nifti1Header, shown: str) -> np.ndarray:
     """The RAS affine (mm) of (column, row, slice) indices that the header states; see the module's rules."""
     sform_code, qform_code = int(header["sform_code"]), int(header["qform_code"])
-    if sform_code == 0 and qform_code == 0:
-        raise NiftiInputError(f"{shown}: NIfTI header states no orientation (sform_code and qform_code are 0); "
-                              "expected a scanner, aligned or template space (code 1 to 5)")
+    if sform_code <= 0 and qform_code <= 0:
+        raise NiftiInputError(f"{shown}: NIfTI header states no orientation (sform_code {sform_code}, qform_code "
+                              f"{qform_code}); expected a scanner, aligned or template space (code 1 to 5)")
     problems = []
     if sform_code > 0:
         affine, problem = _grid(header.get_sform(), "sform")

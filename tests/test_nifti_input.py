@@ -134,12 +134,31 @@ def test_the_label_map_has_the_input_header_geometry(tmp_path, threshold_predict
     np.testing.assert_array_equal(np.asarray(written.dataobj), hu > THRESHOLD_HU)
 
 
-def test_an_image_that_states_no_orientation_is_refused(tmp_path):
+@pytest.mark.parametrize("codes", [(0, 0), (-1, 0)])
+def test_an_image_that_states_no_orientation_is_refused(tmp_path, codes):
     """nibabel's guess for codes 0 flips x: the label map came back as scanner space, mirrored in ITK readers."""
-    nib.save(_coded(nib.Nifti1Image(_hu(), None), (SCANNER, 0), (SCANNER, 0)), tmp_path / "bare.nii")
+    image = _coded(nib.Nifti1Image(_hu(), None), (SCANNER, 0), (SCANNER, 0))
+    image.header["sform_code"], image.header["qform_code"] = codes
+    nib.save(image, tmp_path / "bare.nii")
     with pytest.raises(NiftiInputError, match=rf"^{tmp_path / 'bare.nii'}: NIfTI header states no orientation "
-                                              r"\(sform_code and qform_code are 0\)"):
+                                              rf"\(sform_code {codes[0]}, qform_code {codes[1]}\); expected a "):
         read_nifti(tmp_path / "bare.nii")
+
+
+def test_the_qform_is_read_with_its_qfac_and_a_bad_quaternion_is_named(tmp_path):
+    image = _coded(nib.Nifti1Image(_hu(), None), (None, 0), (SCANNER, 1))
+    image.header["pixdim"][0] = -1.0  # qfac: the slice axis runs the other way
+    nib.save(image, tmp_path / "flipped.nii")
+    np.testing.assert_allclose(ras_affine(read_nifti(tmp_path / "flipped.nii").volume)[:3, 2], [0, 0, -2.0])
+    image.header["quatern_b"] = image.header["quatern_c"] = 0.9  # b, c, d beyond a unit quaternion
+    nib.save(image, tmp_path / "bad.nii")
+    with pytest.raises(NiftiInputError, match=r"bad.nii: the qform's quaternion is not a rotation \(w2 should be "):
+        read_nifti(tmp_path / "bad.nii")  # was nibabel's own words from its loader, naming no qform
+
+
+def test_a_coded_sform_wins_over_a_different_coded_qform(tmp_path):
+    nib.save(_coded(nib.Nifti1Image(_hu(), None), (SCANNER, 2), (np.diag([1.0, 1, 1, 1]), 1)), tmp_path / "two.nii")
+    np.testing.assert_allclose(ras_affine(read_nifti(tmp_path / "two.nii").volume), SCANNER)
 
 
 @pytest.mark.parametrize("size", [0.0, -2.0])

@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -27,7 +28,10 @@ CHUNK = 8 * 1024 * 1024
 FINAL = ("succeeded", "failed", "cancelled")
 PARTIAL = ".partial"
 UPLOADING = ".uploading"  # a link to a cached zip that a run is uploading from
-UNREACHABLE_PATIENCE = 60.0  # seconds a job's progress is waited for while the server cannot be reached
+UNREACHABLE_PATIENCE = 60.0  # seconds a request is tried again while the server cannot answer it (see `_Patience`)
+# Answers that say "not now" (busy, a proxy before a restarting server, no room yet): the same request may pass later.
+RETRY_STATUSES = frozenset({429, 502, 503, 504, 507})
+LONGEST_RETRY_WAIT = 15.0
 ABANDONED_SECONDS = 24 * 3600
 
 
@@ -35,9 +39,44 @@ class ClientError(MedserveError):
     """The server refused or failed a request (the message is the server's own, `status` its HTTP status), or
     the request could not be made."""
 
-    def __init__(self, message: str, status: int | None = None) -> None:
+    def __init__(self, message: str, status: int | None = None, retryable: bool = False,
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retryable = retryable  # the same request may pass later: see RETRY_STATUSES and `Client._unreachable`
+        self.retry_after = retry_after
+
+
+class _Patience:
+    """Waits between tries of a request the server could not answer now: its Retry-After (at most
+    LONGEST_RETRY_WAIT), else 1, 2, 4, 8 s; for UNREACHABLE_PATIENCE seconds from the first failure, after which
+    the failure stands. A server restarting (an upgrade, a crash) keeps its jobs and uploads, so a run waits for
+    it rather than failing on the first refused connection or 503."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.since: float | None = None
+        self.tries = 0
+
+    def wait_or_raise(self, error: ClientError) -> None:
+        if not error.retryable:
+            raise error
+        now = time.monotonic()
+        self.since = self.since or now
+        backoff = 2.0 ** min(self.tries, 3)
+        delay = min(LONGEST_RETRY_WAIT, error.retry_after if error.retry_after is not None else backoff)
+        if now + delay - self.since > UNREACHABLE_PATIENCE:
+            raise error
+        log.info("%s; trying again in %.0f s", error, delay)
+        self.tries += 1
+        time.sleep(delay)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Retry-After in seconds (its HTTP-date form is not used by medserve, and read as absent)."""
+    return float(value) if value is not None and value.strip().isdigit() else None
 
 
 def cache_dir() -> Path:
@@ -231,23 +270,44 @@ class Client:
             raise ClientError("--token holds characters an HTTP header cannot carry; expected printable ASCII")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+        self.answered = False  # whether the server has answered this client yet (see `_unreachable`)
 
     def _check(self, response: httpx.Response) -> httpx.Response:
         if response.status_code >= 400:
             raise ClientError(f"server answered {response.status_code}: {_server_message(response.content)}",
-                              response.status_code)
+                              response.status_code, response.status_code in RETRY_STATUSES,
+                              _retry_after(response.headers.get("retry-after")))
         return response
 
-    def _unreachable(self, error: Exception) -> ClientError:
-        return ClientError(f"cannot reach the medserve server at {self.url}: {error}")
+    def _unreachable(self, error: Exception, repeatable: bool = True) -> ClientError:
+        """No answer. Once the server has answered this client (it is restarting, say), the request is tried
+        again when it never reached the server (a refused connection) or when doing it twice does no harm
+        (`repeatable`: a GET, a DELETE, a POST with an Idempotency-Key). A server that never answered is reported
+        at once: a wrong --url should not cost a minute."""
+        errno_text = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(error))  # urllib3's (tuspy's) text runs long
+        reason = errno_text.group(1).strip() if errno_text else str(error) or type(error).__name__
+        return ClientError(f"cannot reach the medserve server at {self.url}: {reason}",
+                           retryable=self.answered and (repeatable or isinstance(error, httpx.ConnectError)))
 
     def _send(self, method: str, path: str, **kwargs: Any) -> Any:
-        """One request; its JSON answer, or a ClientError for an error status or a server that cannot be reached
-        (which the CLI prints as one line, not as httpx's traceback)."""
+        """A request, tried again while the server cannot answer it now (see `_Patience`); its JSON answer, or a
+        ClientError for an error status or a server that cannot be reached (which the CLI prints as one line, not
+        as httpx's traceback)."""
+        repeatable = method != "POST" or "Idempotency-Key" in kwargs.get("headers", {})
+        patience = _Patience()
+        while True:
+            try:
+                return self._send_once(method, path, repeatable, **kwargs)
+            except ClientError as error:
+                patience.wait_or_raise(error)
+
+    def _send_once(self, method: str, path: str, repeatable: bool, **kwargs: Any) -> Any:
         try:
-            response = self._check(self.http.request(method, path, **kwargs))
+            response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as error:
-            raise self._unreachable(error) from error
+            raise self._unreachable(error, repeatable) from error
+        self.answered = True
+        self._check(response)
         try:
             return response.json()
         except ValueError:  # a redirect, or a server that is not medserve
@@ -287,27 +347,38 @@ class Client:
         storage = UploadUrls(cache_dir() / "tus-uploads.json")
         tus_client = tus.TusClient(f"{self.url}/v1/uploads", headers=dict(self.headers))
         fingerprint = UploadKey(self.url, path)
-        for attempt in range(2):
+        patience = _Patience()
+        restarted = False
+        while True:
             try:
                 # With a stored URL, the constructor already asks the server for the offset.
                 uploader = tus_client.uploader(str(path), chunk_size=CHUNK, store_url=True, url_storage=storage,
                                                fingerprinter=fingerprint, metadata={"filename": name},
                                                upload_checksum=True, retries=3, retry_delay=1)
+                self.answered = True  # it created the upload, or told its offset
                 size = uploader.get_file_size()
                 while uploader.offset < size:
                     uploader.upload_chunk()
+                    patience.reset()  # a later restart gets the whole patience again
                     if progress is not None:
                         progress(uploader.offset, size)
                 return uploader.url.rstrip("/").rsplit("/", 1)[-1]
             except (TusCommunicationError, TusUploadFailed) as error:
-                if error.status_code is None:  # no answer at all: tuspy wraps the connection error
-                    raise self._unreachable(error) from error
-                if attempt == 0 and error.status_code in (404, 410):
+                if error.status_code in (404, 410) and not restarted:  # expired or deleted: start it afresh, once
                     storage.remove_item(fingerprint.key)
+                    restarted = True
                     continue
-                raise ClientError(f"upload failed: server answered {error.status_code}: "
-                                  f"{_server_message(error.response_content)}", error.status_code) from error
-        raise ClientError("upload failed twice")
+                # A server restarting or out of room for now: resumed from the offset it kept, once it answers.
+                patience.wait_or_raise(self._upload_error(error))
+
+    def _upload_error(self, error: Any) -> ClientError:
+        """tuspy's error as ours. tuspy wraps a connection error (no answer at all) with no status, and keeps no
+        Retry-After of an answer."""
+        if error.status_code is None:
+            return self._unreachable(error)
+        return ClientError(f"upload failed: server answered {error.status_code}: "
+                           f"{_server_message(error.response_content)}", error.status_code,
+                           error.status_code in RETRY_STATUSES)
 
     def check_model(self, name: str) -> None:
         """A ClientError when the server has no model `name` (or refuses the name). A token without the admin
@@ -329,21 +400,9 @@ class Client:
     def wait(self, job_id: str, on_update: Callable[[dict[str, Any]], None] | None = None,
              timeout: float = 24 * 3600, interval: float = 0.25) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
-        unreachable_since: float | None = None
+        self.answered = True  # the server took the job: one that cannot be reached now is restarting
         while True:
-            asked = time.monotonic()
-            try:
-                job = self.get(f"/v1/jobs/{quote(job_id, safe='')}")
-            except ClientError as error:
-                # A server restarting (an upgrade, a crash) keeps its jobs: wait a while for it to be back.
-                if error.status is not None:
-                    raise
-                unreachable_since = unreachable_since or asked  # a request that timed out counts whole
-                if time.monotonic() - unreachable_since > UNREACHABLE_PATIENCE:
-                    raise
-                time.sleep(1.0)
-                continue
-            unreachable_since = None
+            job = self.get(f"/v1/jobs/{quote(job_id, safe='')}")  # waits out a restarting server (`_send`)
             if on_update is not None:
                 on_update(job)
             if job["state"] in FINAL:
@@ -353,11 +412,21 @@ class Client:
             time.sleep(interval)
 
     def download(self, job_id: str, target: Path, fmt: str | None = None) -> Path:
+        """The job's result into `target`; a download cut or refused for now is made again (see `_Patience`)."""
         target.parent.mkdir(parents=True, exist_ok=True)
+        patience = _Patience()
+        while True:
+            try:
+                return self._download_once(job_id, target, fmt)
+            except ClientError as error:
+                patience.wait_or_raise(error)
+
+    def _download_once(self, job_id: str, target: Path, fmt: str | None) -> Path:
         params = {"format": fmt} if fmt else {}
         partial = target.with_suffix(target.suffix + ".partial")
         try:
             with self.http.stream("GET", f"/v1/jobs/{quote(job_id, safe='')}/result", params=params) as response:
+                self.answered = True
                 if response.status_code >= 400:
                     response.read()
                     self._check(response)

@@ -308,6 +308,8 @@ def _wait(client: Any, job: dict[str, Any], console: Any) -> dict[str, Any]:
     """The job once it has ended, its progress shown meanwhile (the whole id: it is what `medserve job` takes)."""
     from rich.progress import BarColumn, Progress, TextColumn
 
+    from medserve.server.client import ClientError
+
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                   console=console) as bar:
         task = bar.add_task(f"job {job['id']}", total=1.0)
@@ -316,7 +318,14 @@ def _wait(client: Any, job: dict[str, Any], console: Any) -> dict[str, Any]:
             bar.update(task, completed=update["progress"],
                        description=f"job {update['id']} {update['state']}: {update.get('stage') or ''}")
 
-        return client.wait(job["id"], show)
+        try:
+            return client.wait(job["id"], show)
+        except ClientError as error:
+            if error.status != 404:
+                raise
+            raise ClientError(f"the server no longer knows job {job['id']} ({error}): was it restarted with another "
+                              "--data-dir, or the job removed by its retention? Run the command again to submit the "
+                              "study anew", 404) from error
 
 
 def _submit(client: Any, model: str, body: dict[str, Any], key: str | None, retired: set[str]) -> dict[str, Any]:

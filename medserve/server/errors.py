@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import sqlite3
 from http import HTTPStatus
 from pathlib import Path
@@ -68,13 +69,17 @@ def client_message(error: MedserveError | str, *folders: Path) -> str:
     """The core's message with the server's own `folders` left out (most specific first), so that a file is
     named by its path in what the client sent, and the data folder's layout is not shown."""
     message = str(error)
-    for folder in folders:
-        message = message.replace(f"{folder}/", "").replace(str(folder), ".")
+    for folder in folders:  # whole path components only: ".../input/dicom" is no part of ".../input/dicom_x.nii"
+        message = re.sub(re.escape(str(folder)) + r"(/|(?![\w-]|\.[\w.-]))", lambda m: "" if m.group(1) else ".",
+                         message)
     return message
 
 
 def from_core(error: MedserveError, *folders: Path) -> ApiError:
-    """The API error for a core error; `folders`: see `client_message`."""
+    """The API error for a core error; `folders`: see `client_message`. A result the server's full disk could not
+    hold is 507, for the client to retry (not the 500 of a fault)."""
+    if isinstance(error, OutputError) and for_want_of_room(error):
+        return insufficient_storage("the result")
     message = client_message(error, *folders)
     for kind, status, code in _CORE_CODES:
         if isinstance(error, kind):
@@ -118,6 +123,16 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 def disk_full(error: OSError) -> bool:
     return error.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def for_want_of_room(error: BaseException) -> bool:
+    """Whether `error`, or an error it was raised from, is a full disk or quota (507, ENOSPC, EDQUOT)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and disk_full(seen) or isinstance(seen, ApiError) and seen.status == 507:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def insufficient_storage(what: str) -> ApiError:

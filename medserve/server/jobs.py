@@ -33,7 +33,7 @@ from medserve.net import without_credentials
 from medserve.server import maps
 from medserve.server.config import ServerConfig
 from medserve.server.dicomweb import DicomWebClient, DicomWebError, with_retries
-from medserve.server.errors import ApiError, client_message, shown
+from medserve.server.errors import ApiError, client_message, for_want_of_room, shown
 from medserve.server.inputs import InputSpec
 from medserve.server.runner import execute, pull
 from medserve.server.store import ModelStore
@@ -68,6 +68,11 @@ STOP_GRACE_S = 5.0  # how long a stopping server waits for running jobs to finis
 # A clean stop interrupts a job through no fault of its own: back to the queue, the attempt given back.
 REQUEUE_ON_STOP = ("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, "
                    "stage='requeued: the server stopped' WHERE state='running'")
+# A job whose result the server had no room to write: back to the queue, the attempt given back, to run when there
+# is room again (the worker waits 1, 2, 4, ... 30 s between tries), for at most DISK_FULL_PATIENCE_S.
+REQUEUE_DISK_FULL = ("UPDATE jobs SET state='queued', attempts=attempts-1, progress=0, outputs=NULL, segments=NULL, "
+                     "segmented=NULL, stage='waiting for room: the server''s disk is full' WHERE state='running'")
+DISK_FULL_PATIENCE_S = 1800.0
 # A running job whose worker is gone (a crash, a restart) or could not record it (see `_put_back`): failed once it
 # has used its attempts, else back in the queue. `{only}` narrows it to one job.
 FAIL_INTERRUPTED = ("UPDATE jobs SET state='failed', finished=?, stage='interrupted', progress=0, outputs=NULL, "
@@ -87,6 +92,10 @@ class IdempotencyKeyTaken(Exception):
     def __init__(self, job: dict[str, Any]) -> None:
         super().__init__(job["id"])
         self.job = job
+
+
+class ServerDiskFull(Exception):
+    """The server's disk (or quota) was full while a job ran: the job waits in the queue for room."""
 
 
 class ServerStopping(Exception):
@@ -115,6 +124,7 @@ class JobQueue:
         self._stop = threading.Event()
         self._workers: list[threading.Thread] = []
         self._held: set[str] = set()  # jobs a worker is on: the retention sweep leaves them alone
+        self._short_of_room: dict[str, float] = {}  # job -> when it first found the disk full (monotonic)
         self._db = sqlite3.connect(config.db_path, check_same_thread=False, isolation_level=None)
         try:
             self._prepare_database()
@@ -405,6 +415,11 @@ class JobQueue:
                 stranded, refusals = None, 0
             except ServerStopping:
                 return  # the database is closed, and `close` has requeued what was running
+            except ServerDiskFull:  # requeued by `_run`
+                self._release(stranded)
+                stranded = None
+                refusals += 1
+                self._stop.wait(backoff_seconds(refusals))
             except Exception as error:  # a write the database refused, or a bug: the worker lives on
                 refusals += 1
                 wait = backoff_seconds(refusals)
@@ -456,12 +471,25 @@ class JobQueue:
     def _run(self, row: sqlite3.Row) -> None:
         try:
             self._attempt(row)
+        except ServerDiskFull as error:
+            first = self._short_of_room.setdefault(row["id"], time.monotonic())
+            if time.monotonic() - first > DISK_FULL_PATIENCE_S:  # a job that can never fit must not wait for ever
+                del self._short_of_room[row["id"]]
+                self._fail(row["id"], f"the server's disk stayed full for {DISK_FULL_PATIENCE_S / 60:.0f} minutes "
+                           "while this job ran; submit it again when there is room", {})
+                self._drop_input(row["id"])
+            elif self._exec(REQUEUE_DISK_FULL + " AND id=? RETURNING id", (row["id"],)):
+                log.warning("job %s goes back to the queue, its attempt given back: the server's disk is full (%s)",
+                            row["id"], error)
+            raise  # the worker waits before it claims a job again
         except ServerStopping:
             try:  # not the job's fault: it goes back to the queue without using up an attempt
                 self._exec(REQUEUE_ON_STOP + " AND id=?", (row["id"],))
             except ServerStopping:
                 pass  # the database is closed already, and `close` has requeued it
             log.info("job %s interrupted by the server's stop; it runs again at the next start", row["id"])
+        else:
+            self._short_of_room.pop(row["id"], None)
 
     def _attempt(self, row: sqlite3.Row) -> None:
         job_id, model = row["id"], row["model"]
@@ -498,20 +526,24 @@ class JobQueue:
             log.info("job %s was cancelled; dropping its output", job_id)
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(final, ignore_errors=True)
-        except (ApiError, MedserveError, DicomWebError) as error:
+        except Exception as error:
+            if for_want_of_room(error):  # the server's condition, not the job's: it waits for room (see `_run`)
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise ServerDiskFull(str(error)) from error
             if isinstance(error, ApiError):
                 message = error.message
-            elif spec.path is not None and not spec.path.exists():  # its own words would name a server path
+            elif isinstance(error, (MedserveError, DicomWebError)) and spec.path is not None \
+                    and not spec.path.exists():  # its own words would name a server path
                 message = ("the job's input is gone from the server's data dir (removed while the job waited or "
                            "ran); submit the job again")
             elif isinstance(error, MedserveError):
                 message = client_message(error, folder / "input" / "dicom", folder / "input", work, folder)
-            else:
+            elif isinstance(error, DicomWebError):
                 message = str(error)
+            else:  # a bug or a library failure: record it, keep the worker alive
+                log.exception("job %s crashed", job_id)
+                message = f"{type(error).__name__}: {error}"
             self._fail(job_id, message, timings)
-        except Exception as error:  # a bug or a library failure: record it, keep the worker alive
-            log.exception("job %s crashed", job_id)
-            self._fail(job_id, f"{type(error).__name__}: {error}", timings)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         self._drop_input(job_id)  # every way here ends the job; a failure to record that leaves it for recover()

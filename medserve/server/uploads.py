@@ -33,7 +33,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
-from medserve.server.errors import ApiError, header_int, shown
+from medserve.server.errors import ApiError, disk_full, header_int, insufficient_storage, shown
 from medserve.server.streams import body_chunks
 
 log = logging.getLogger("medserve.server.uploads")
@@ -340,10 +340,18 @@ async def patch(request: Request, upload_id: str) -> Response:
             raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
                            {"Upload-Offset": str(offset)})
         body = Body(request, offset, info.length, store.idle_seconds)
-        if checksum is None:
-            received = await _receive(body, data_path)
-        else:
-            received = await _receive_verified(body, data_path, store.pending_path(upload_id), checksum)
+        try:
+            if checksum is None:
+                received = await _receive(body, data_path)
+            else:
+                received = await _receive_verified(body, data_path, store.pending_path(upload_id), checksum)
+        except OSError as error:
+            if not disk_full(error):
+                raise
+            log.error("no room left on the server's disk for upload %s: %s", upload_id, error)
+            full = insufficient_storage("this upload chunk")  # what was written is kept, as for a cut PATCH
+            raise ApiError(full.status, full.code, full.message,
+                           {**full.headers, "Upload-Offset": str(store.offset(upload_id))}) from error
         store.touch(info)
         new_offset = offset + received
         if new_offset == info.length:
@@ -406,7 +414,8 @@ async def _receive_verified(body: Body, path: Path, pending: Path, checksum: tup
                     raise ApiError(460, "checksum_mismatch", "Upload-Checksum does not match the body; chunk "
                                    "dropped", {"Upload-Offset": str(offset)})
             except BaseException:
-                await anyio.to_thread.run_sync(_truncate, out, offset)
+                with anyio.CancelScope(shield=True):  # a stopping server cancels the request: drop the chunk still
+                    await anyio.to_thread.run_sync(_truncate, out, offset)
                 raise
             if body.ended != "complete":
                 await anyio.to_thread.run_sync(_truncate, out, offset)

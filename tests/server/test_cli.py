@@ -612,3 +612,96 @@ def test_an_upload_goes_on_when_a_parallel_run_removes_the_cached_zip(thr_server
     upload_id = Client(thr_server.url).upload(archive, remove_the_zip)
     assert (thr_server.config.uploads_dir / f"{upload_id}.bin").read_bytes() == content
     assert list(archive.parent.iterdir()) == []  # its link is gone too
+
+
+def _answering_in_turn(answers: list[tuple[int, bytes, dict[str, str]]]) -> Any:
+    """An HTTP server on 127.0.0.1 (a proxy before a restarting server, say) that answers the GETs it gets with
+    `answers` in turn, the last one for ever (not started: call serve_forever); `.times` holds when each came."""
+    import http.server
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            server.times.append(time.monotonic())
+            status, body, headers = answers[min(len(server.times), len(answers)) - 1]
+            self.send_response(status)
+            for name, value in {"Content-Length": str(len(body)), **headers}.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.times = []
+    return server
+
+
+@pytest.mark.parametrize("patience", [60.0, 2.0], ids=["back-in-time", "never-back"])
+def test_the_client_waits_out_answers_that_say_not_now(monkeypatch, patience: float) -> None:
+    """While it waited for a job, `medserve infer` ended on the first 503 (the server's own database_busy, with
+    Retry-After) or a proxy's 502 before a restarting server. Such answers are now tried again, after the
+    Retry-After or 1, 2, 4, 8 s, for a minute; other errors end at once."""
+    import json
+    import threading
+    import time
+
+    from medserve.server import client as client_module
+    from medserve.server.client import Client, ClientError
+
+    monkeypatch.setattr(client_module, "UNREACHABLE_PATIENCE", patience)
+    job = {"id": "a" * 32, "state": "succeeded", "progress": 1.0}
+    busy = (503, b'{"error": "database_busy", "message": "busy"}', {"Retry-After": "1"})
+    server = _answering_in_turn([busy, (502, b"<html>Bad Gateway</html>", {}), busy, busy,
+                                 (200, json.dumps(job).encode(), {"Content-Type": "application/json"})]
+                                if patience > 10 else [busy])
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = Client(f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        if patience > 10:
+            assert client.wait(job["id"], interval=0.1)["state"] == "succeeded"
+            waits = [round(later - earlier, 1) for earlier, later in zip(server.times, server.times[1:])]
+            assert len(waits) == 4 and waits[0] >= 1.0 and waits[1] >= 2.0 and waits[2] >= 1.0, waits
+        else:
+            started = time.monotonic()
+            with pytest.raises(ClientError, match="^server answered 503: busy$"):
+                client.wait(job["id"], interval=0.1)
+            assert 1.0 <= time.monotonic() - started < 5.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_an_upload_resumes_after_the_server_restarts_under_it(tmp_path: Path, store_dir: Path) -> None:
+    """A server killed mid-upload ended `medserve infer` at once with urllib3's whole text; the upload now waits
+    for the server to be back and resumes from the offset it kept, byte for byte."""
+    import hashlib
+    import threading
+
+    from medserve.server.client import CHUNK, Client
+    from tests.server.conftest import ServerProcess, free_port
+
+    archive = tmp_path / "study.zip"
+    archive.write_bytes(os.urandom(2 * CHUNK + 12345))  # what the server stores is checked, not used
+    port = free_port()
+    args = ["--store", str(store_dir), "--data-dir", str(tmp_path / "data")]
+    server = ServerProcess(args, port, env={"MEDSERVE_CACHE": str(tmp_path / "cache")}).start()
+    restarted: list[ServerProcess] = []
+
+    def kill_after_the_first_chunk(done: int, total: int) -> None:
+        if not restarted:
+            server.kill()
+            restarted.append(ServerProcess(args, port))
+            threading.Timer(6.0, restarted[0].start).start()  # past tuspy's own 3 tries a second apart
+
+    os.environ["MEDSERVE_CACHE"] = str(tmp_path / "cache")
+    try:
+        upload_id = Client(server.url).upload(archive, kill_after_the_first_chunk)
+        stored = tmp_path / "data" / "uploads" / f"{upload_id}.bin"
+        assert hashlib.sha256(stored.read_bytes()).digest() == hashlib.sha256(archive.read_bytes()).digest()
+    finally:
+        os.environ.pop("MEDSERVE_CACHE", None)
+        server.kill()
+        for later in restarted:
+            later.stop()

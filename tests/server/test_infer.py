@@ -347,6 +347,32 @@ def test_zip_members_that_cannot_be_stored_say_why(tmp_path: Path) -> None:
     assert (error.status, error.code) == (507, "insufficient_storage") and error.headers["Retry-After"], error.message
 
 
+def test_messages_lose_the_servers_folders_at_path_boundaries_only(tmp_path: Path) -> None:
+    """A NIfTI part named 'dicom_export.nii.gz', staged beside the 'dicom' folder, was named '._export.nii.gz'."""
+    from medserve.server.errors import client_message
+
+    staged = tmp_path / "input"
+    message = f"{staged}/dicom_export.nii.gz: bad; {staged}/dicom/IM1.dcm: bad; in {staged}/dicom, {staged}/dicom."
+    assert client_message(message, staged / "dicom", staged) == (
+        "dicom_export.nii.gz: bad; IM1.dcm: bad; in ., ..")
+
+
+def test_a_result_the_full_disk_cannot_hold_is_a_507_to_retry(tmp_path: Path) -> None:
+    """It was 500 output_failed, a fault of ours, where the client may simply retry later."""
+    from medserve.errors import OutputError
+    from medserve.server.errors import from_core
+    from medserve.writers.files import atomic_output, partial_path
+
+    target = tmp_path / "labels.nii.gz"
+    partial_path(target).symlink_to("/dev/full")  # every write there fails with ENOSPC, as on a full disk
+    with pytest.raises(OutputError) as caught:
+        with atomic_output(target) as partial:
+            partial.write_bytes(bytes(65536))
+    error = from_core(caught.value, tmp_path)
+    assert (error.status, error.code) == (507, "insufficient_storage") and error.headers["Retry-After"], error.message
+    assert from_core(OutputError("cannot write seg.dcm: Permission denied")).status == 500  # still ours
+
+
 def test_damaged_zip_directories_and_gzip_lookalikes_are_the_clients(tmp_path: Path) -> None:
     """A central directory with an offset past its members, a 'version needed' zipfile lacks, or a member name
     flagged UTF-8 that is not: 400 bad_zip, not 500. A body with gzip's magic but no deflate stream is no input."""

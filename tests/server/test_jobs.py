@@ -984,6 +984,39 @@ def test_a_write_the_jobs_database_refuses_requeues_the_job_and_the_worker_goes_
                                              f"job {job['id']} ran")
 
 
+@pytest.mark.parametrize("patience", [1800.0, -1.0], ids=["room-returns", "stays-full"])
+def test_a_job_whose_result_finds_the_disk_full_waits_for_room_without_using_an_attempt(
+        make_server, study: Path, patience: float, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A full disk while the SEG was written failed the job for good on its first attempt (the server's
+    condition, not the job's). Now it goes back to the queue with its attempt given back, and fails only once the
+    disk has stayed full past the patience."""
+    from medserve.server import jobs as jobs_module
+
+    monkeypatch.setattr(jobs_module, "DISK_FULL_PATIENCE_S", patience)
+    server = with_thr(make_server(job_max_attempts=1))
+    url = server.url
+    with server.store.use("thr", lambda: None):  # the job waits, claimed, for the busy model
+        job = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+        _wait(url, job["id"], ("running",))
+        result_tmp = server.config.jobs_dir / job["id"] / "result.tmp"
+        result_tmp.mkdir()
+        # every write of the SEG there fails with ENOSPC, as on a full disk (its partial name is this process's)
+        (result_tmp / f".seg.dcm.{os.getpid()}.partial.dcm").symlink_to("/dev/full")
+    done = _wait(url, job["id"], ("succeeded", "failed"))
+    if patience > 0:
+        assert done["state"] == "succeeded" and done["attempts"] == 1, done
+        warned = [r.getMessage() for r in caplog.records if r.name == "medserve.server.jobs"
+                  and r.levelname == "WARNING"]
+        assert any(m.startswith(f"job {job['id']} goes back to the queue, its attempt given back: the server's disk "
+                                "is full") for m in warned), warned
+        assert pydicom.dcmread(io.BytesIO(httpx.get(url + done["result_url"]).content)).Modality == "SEG"
+    else:
+        assert done["state"] == "failed", done
+        assert re.fullmatch(r"the server's disk stayed full for \S+ minutes while this job ran; submit it again when "
+                            r"there is room", done["error"]), done
+        _gone(server.config.jobs_dir / job["id"])
+
+
 def test_a_jobs_format_is_the_format_its_result_is_served_in(thr_server, study: Path, tmp_path: Path) -> None:
     """`format=nifti` on a job was checked and then dropped: the result came back as the SEG."""
     url = thr_server.url

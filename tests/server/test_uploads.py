@@ -402,4 +402,38 @@ def test_a_full_disk_under_a_patch_is_a_507_with_retry_after_and_tus_resumable(m
     assert (response.status_code, response.headers.get("Tus-Resumable"), response.headers.get("Retry-After")) == (
         507, "1.0.0", "60"), response.text
     assert response.json() == {"error": "insufficient_storage",
-                               "message": "the server has no room left for this request; retry later"}
+                               "message": "the server has no room left for this upload chunk; retry later"}
+    assert response.headers["Upload-Offset"] == "0"  # where to resume (409, 413 and 460 said it; 507 did not)
+
+
+def test_a_checksummed_chunk_cut_by_the_servers_stop_is_dropped_at_once(tmp_path: Path) -> None:
+    """A stopping server cancels a PATCH still running after its grace period. The roll-back of a checksummed
+    chunk awaited in the cancelled task, so it was cancelled too: the unverified bytes stayed until the next
+    start."""
+    import anyio
+
+    from medserve.server.uploads import _receive_verified
+
+    class StalledBody:  # one batch arrives, then nothing, until the stop
+        offset, length, ended = 3, 3 + 2 * WRITE_BATCH, "complete"
+
+        async def chunks(self):
+            yield bytes(WRITE_BATCH)
+            await anyio.sleep(60)
+
+    data, pending = tmp_path / "up.bin", tmp_path / "up.pending"
+    data.write_bytes(b"abc")
+
+    async def stop_during_the_body() -> None:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as group:
+                async def stop() -> None:
+                    while data.stat().st_size == 3:  # until the batch is on disk
+                        await anyio.sleep(0.01)
+                    scope.cancel()
+
+                group.start_soon(stop)
+                await _receive_verified(StalledBody(), data, pending, (hashlib.sha256(), bytes(32)))
+
+    anyio.run(stop_during_the_body)
+    assert data.read_bytes() == b"abc" and not pending.exists()
