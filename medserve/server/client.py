@@ -31,6 +31,10 @@ UPLOADING = ".uploading"  # a link to a cached zip that a run is uploading from
 UNREACHABLE_PATIENCE = 60.0  # seconds a request is tried again while the server cannot answer it (see `_Patience`)
 # Answers that say "not now" (busy, a proxy before a restarting server, no room yet): the same request may pass later.
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 507})
+# Of those, the ones that say the request was refused untouched (queue_full, database_busy, a proxy with no server
+# behind it, insufficient_storage). A proxy's 502/504 may come after the server took the request, so a request
+# that must not be made twice (a job submitted without an Idempotency-Key, a cancel) is not tried again on them.
+REFUSED_UNTOUCHED = frozenset({429, 503, 507})
 LONGEST_RETRY_WAIT = 15.0
 ABANDONED_SECONDS = 24 * 3600
 
@@ -49,9 +53,9 @@ class ClientError(MedserveError):
 
 class _Patience:
     """Waits between tries of a request the server could not answer now: its Retry-After (at most
-    LONGEST_RETRY_WAIT), else 1, 2, 4, 8 s; for UNREACHABLE_PATIENCE seconds from the first failure, after which
-    the failure stands. A server restarting (an upgrade, a crash) keeps its jobs and uploads, so a run waits for
-    it rather than failing on the first refused connection or 503."""
+    LONGEST_RETRY_WAIT, at least 1 s), else 1, 2, 4, 8 s; for UNREACHABLE_PATIENCE seconds from the first
+    failure, after which the failure stands. A server restarting (an upgrade, a crash) keeps its jobs and uploads,
+    so a run waits for it rather than failing on the first refused connection or 503."""
 
     def __init__(self) -> None:
         self.reset()
@@ -66,7 +70,7 @@ class _Patience:
         now = time.monotonic()
         self.since = self.since or now
         backoff = 2.0 ** min(self.tries, 3)
-        delay = min(LONGEST_RETRY_WAIT, error.retry_after if error.retry_after is not None else backoff)
+        delay = min(LONGEST_RETRY_WAIT, max(1.0, error.retry_after if error.retry_after is not None else backoff))
         if now + delay - self.since > UNREACHABLE_PATIENCE:
             raise error
         log.info("%s; trying again in %.0f s", error, delay)
@@ -272,18 +276,19 @@ class Client:
         self.http = httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
         self.answered = False  # whether the server has answered this client yet (see `_unreachable`)
 
-    def _check(self, response: httpx.Response) -> httpx.Response:
+    def _check(self, response: httpx.Response, repeatable: bool = True) -> httpx.Response:
         if response.status_code >= 400:
+            retryable = response.status_code in (RETRY_STATUSES if repeatable else REFUSED_UNTOUCHED)
             raise ClientError(f"server answered {response.status_code}: {_server_message(response.content)}",
-                              response.status_code, response.status_code in RETRY_STATUSES,
-                              _retry_after(response.headers.get("retry-after")))
+                              response.status_code, retryable, _retry_after(response.headers.get("retry-after")))
         return response
 
     def _unreachable(self, error: Exception, repeatable: bool = True) -> ClientError:
         """No answer. Once the server has answered this client (it is restarting, say), the request is tried
         again when it never reached the server (a refused connection) or when doing it twice does no harm
-        (`repeatable`: a GET, a DELETE, a POST with an Idempotency-Key). A server that never answered is reported
-        at once: a wrong --url should not cost a minute."""
+        (`repeatable`: a GET, a POST with an Idempotency-Key, a tus PATCH at its offset; not a cancel, whose second
+        try would find the job cancelled, 409). A server that never answered is reported at once: a wrong --url
+        should not cost a minute."""
         errno_text = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(error))  # urllib3's (tuspy's) text runs long
         reason = errno_text.group(1).strip() if errno_text else str(error) or type(error).__name__
         return ClientError(f"cannot reach the medserve server at {self.url}: {reason}",
@@ -293,7 +298,7 @@ class Client:
         """A request, tried again while the server cannot answer it now (see `_Patience`); its JSON answer, or a
         ClientError for an error status or a server that cannot be reached (which the CLI prints as one line, not
         as httpx's traceback)."""
-        repeatable = method != "POST" or "Idempotency-Key" in kwargs.get("headers", {})
+        repeatable = method == "GET" or "Idempotency-Key" in kwargs.get("headers", {})
         patience = _Patience()
         while True:
             try:
@@ -307,7 +312,7 @@ class Client:
         except httpx.TransportError as error:
             raise self._unreachable(error, repeatable) from error
         self.answered = True
-        self._check(response)
+        self._check(response, repeatable)
         try:
             return response.json()
         except ValueError:  # a redirect, or a server that is not medserve
@@ -355,10 +360,10 @@ class Client:
                 uploader = tus_client.uploader(str(path), chunk_size=CHUNK, store_url=True, url_storage=storage,
                                                fingerprinter=fingerprint, metadata={"filename": name},
                                                upload_checksum=True, retries=3, retry_delay=1)
-                self.answered = True  # it created the upload, or told its offset
                 size = uploader.get_file_size()
                 while uploader.offset < size:
                     uploader.upload_chunk()
+                    self.answered = True
                     patience.reset()  # a later restart gets the whole patience again
                     if progress is not None:
                         progress(uploader.offset, size)

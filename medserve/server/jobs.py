@@ -481,6 +481,9 @@ class JobQueue:
             elif self._exec(REQUEUE_DISK_FULL + " AND id=? RETURNING id", (row["id"],)):
                 log.warning("job %s goes back to the queue, its attempt given back: the server's disk is full (%s)",
                             row["id"], error)
+            else:  # cancelled meanwhile: its input is the worker's to drop, as after any other ending
+                self._short_of_room.pop(row["id"], None)
+                self._drop_input(row["id"])
             raise  # the worker waits before it claims a job again
         except ServerStopping:
             try:  # not the job's fault: it goes back to the queue without using up an attempt

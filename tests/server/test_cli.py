@@ -615,7 +615,7 @@ def test_an_upload_goes_on_when_a_parallel_run_removes_the_cached_zip(thr_server
 
 
 def _answering_in_turn(answers: list[tuple[int, bytes, dict[str, str]]]) -> Any:
-    """An HTTP server on 127.0.0.1 (a proxy before a restarting server, say) that answers the GETs it gets with
+    """An HTTP server on 127.0.0.1 (a proxy before a restarting server, say) that answers the requests it gets with
     `answers` in turn, the last one for ever (not started: call serve_forever); `.times` holds when each came."""
     import http.server
     import time
@@ -623,12 +623,15 @@ def _answering_in_turn(answers: list[tuple[int, bytes, dict[str, str]]]) -> Any:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             server.times.append(time.monotonic())
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
             status, body, headers = answers[min(len(server.times), len(answers)) - 1]
             self.send_response(status)
             for name, value in {"Content-Length": str(len(body)), **headers}.items():
                 self.send_header(name, value)
             self.end_headers()
             self.wfile.write(body)
+
+        do_POST = do_GET
 
         def log_message(self, *args: object) -> None:
             pass
@@ -653,7 +656,7 @@ def test_the_client_waits_out_answers_that_say_not_now(monkeypatch, patience: fl
     monkeypatch.setattr(client_module, "UNREACHABLE_PATIENCE", patience)
     job = {"id": "a" * 32, "state": "succeeded", "progress": 1.0}
     busy = (503, b'{"error": "database_busy", "message": "busy"}', {"Retry-After": "1"})
-    server = _answering_in_turn([busy, (502, b"<html>Bad Gateway</html>", {}), busy, busy,
+    server = _answering_in_turn([(*busy[:2], {"Retry-After": "0"}), (502, b"<html>Bad Gateway</html>", {}), busy, busy,
                                  (200, json.dumps(job).encode(), {"Content-Type": "application/json"})]
                                 if patience > 10 else [busy])
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -662,12 +665,33 @@ def test_the_client_waits_out_answers_that_say_not_now(monkeypatch, patience: fl
         if patience > 10:
             assert client.wait(job["id"], interval=0.1)["state"] == "succeeded"
             waits = [round(later - earlier, 1) for earlier, later in zip(server.times, server.times[1:])]
-            assert len(waits) == 4 and waits[0] >= 1.0 and waits[1] >= 2.0 and waits[2] >= 1.0, waits
+            assert len(waits) == 4 and waits[0] >= 1.0 and waits[1] >= 2.0 and waits[2] >= 1.0, waits  # 0 is 1 s
         else:
             started = time.monotonic()
             with pytest.raises(ClientError, match="^server answered 503: busy$"):
                 client.wait(job["id"], interval=0.1)
             assert 1.0 <= time.monotonic() - started < 5.0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_job_submitted_without_a_key_is_not_sent_twice_after_a_proxys_502_or_504() -> None:
+    """A proxy's 504 may come after the server took the job: a second POST would run it twice (and STOW two
+    SEGs with --writeback). Only answers that say the request was refused untouched are tried again then."""
+    import threading
+
+    from medserve.server.client import Client, ClientError
+
+    server = _answering_in_turn([(504, b"<html>Gateway Timeout</html>", {}),
+                                 (201, b'{"id": "b", "state": "queued"}', {"Content-Type": "application/json"})])
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ClientError, match="^server answered 504: <html>Gateway Timeout</html>$"):
+            Client(f"http://127.0.0.1:{server.server_address[1]}").submit("thr", {"study": "1.2.3"}, None)
+        assert len(server.times) == 1
+        assert Client(f"http://127.0.0.1:{server.server_address[1]}").submit("thr", {"study": "1.2.3"}, "key")[
+            "id"] == "b"  # with a key, the server answers a repeat with the same job
     finally:
         server.shutdown()
         server.server_close()
@@ -687,13 +711,13 @@ def test_an_upload_resumes_after_the_server_restarts_under_it(tmp_path: Path, st
     port = free_port()
     args = ["--store", str(store_dir), "--data-dir", str(tmp_path / "data")]
     server = ServerProcess(args, port, env={"MEDSERVE_CACHE": str(tmp_path / "cache")}).start()
-    restarted: list[ServerProcess] = []
+    restarted = ServerProcess(args, port)
+    restart = threading.Timer(6.0, restarted.start)  # past tuspy's own 3 tries a second apart
 
     def kill_after_the_first_chunk(done: int, total: int) -> None:
-        if not restarted:
+        if not restart.is_alive() and server.proc.poll() is None:
             server.kill()
-            restarted.append(ServerProcess(args, port))
-            threading.Timer(6.0, restarted[0].start).start()  # past tuspy's own 3 tries a second apart
+            restart.start()
 
     os.environ["MEDSERVE_CACHE"] = str(tmp_path / "cache")
     try:
@@ -703,5 +727,7 @@ def test_an_upload_resumes_after_the_server_restarts_under_it(tmp_path: Path, st
     finally:
         os.environ.pop("MEDSERVE_CACHE", None)
         server.kill()
-        for later in restarted:
-            later.stop()
+        restart.cancel()
+        if restart.is_alive():
+            restart.join()  # a started server must not outlive the test
+        restarted.stop()

@@ -997,7 +997,7 @@ def test_a_job_whose_result_finds_the_disk_full_waits_for_room_without_using_an_
     url = server.url
     with server.store.use("thr", lambda: None):  # the job waits, claimed, for the busy model
         job = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
-        _wait(url, job["id"], ("running",))
+        _wait_for_stage(url, job["id"], "waiting for the model")  # past the attempt's clearing of result.tmp
         result_tmp = server.config.jobs_dir / job["id"] / "result.tmp"
         result_tmp.mkdir()
         # every write of the SEG there fails with ENOSPC, as on a full disk (its partial name is this process's)
