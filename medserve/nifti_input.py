@@ -25,7 +25,7 @@ import numpy as np
 from nibabel.openers import ImageOpener
 
 from medserve.dicom.volume import lps_affine
-from medserve.errors import NiftiInputError
+from medserve.errors import NiftiInputError, on_one_line
 
 log = logging.getLogger("medserve.nifti_input")
 
@@ -39,9 +39,10 @@ class NiftiInput:
     header: nib.Nifti1Header  # as the file holds it (a Nifti2Header for NIfTI-2), unrepaired
 
 
-def read_nifti(path: Path, name: str | None = None) -> NiftiInput:
-    """The NIfTI file at `path`; errors name it `name` (the client's name for it), else its path."""
-    shown = name or str(path)
+def read_nifti(path: Path) -> NiftiInput:
+    """The NIfTI file at `path`; errors name it by its path (the server stages an upload under the client's own
+    file name, and shows messages without its folders)."""
+    shown = str(path)
     header = _raw_header(path, shown)
     if bytes(header["magic"]).rstrip(b"\x00") in (b"ni1", b"ni2"):
         raise NiftiInputError(f"{shown}: a NIfTI header of a .hdr/.img pair, whose voxels are in a separate file; "
@@ -59,7 +60,7 @@ def _load(path: Path, shown: str) -> nib.Nifti1Image:
     try:
         return nib.load(str(path))
     except Exception as error:  # nibabel raises ImageFileError, EOFError, zlib errors on damaged files
-        raise NiftiInputError(f"{shown}: not a readable NIfTI image ({_one_line(error)})") from error
+        raise NiftiInputError(f"{shown}: not a readable NIfTI image ({on_one_line(error)})") from error
 
 
 def _raw_header(path: Path, shown: str) -> nib.Nifti1Header:
@@ -72,7 +73,7 @@ def _raw_header(path: Path, shown: str) -> nib.Nifti1Header:
             nifti2 = 540 in (int.from_bytes(size, "little"), int.from_bytes(size, "big"))
             return (nib.Nifti2Header if nifti2 else nib.Nifti1Header).from_fileobj(handle, check=False)
     except Exception as error:  # a damaged gzip stream, a file shorter than a header
-        raise NiftiInputError(f"{shown}: not a readable NIfTI image ({_one_line(error)})") from error
+        raise NiftiInputError(f"{shown}: not a readable NIfTI image ({on_one_line(error)})") from error
 
 
 def _voxels(image: nib.Nifti1Image, shown: str) -> np.ndarray:
@@ -90,7 +91,7 @@ def _voxels(image: nib.Nifti1Image, shown: str) -> np.ndarray:
         raise NiftiInputError(f"{shown}: NIfTI image of {' x '.join(map(str, image.shape))} voxels needs "
                               f"{gib:.1f} GiB as float32, more than can be allocated here") from error
     except Exception as error:
-        raise NiftiInputError(f"{shown}: not a readable NIfTI image ({_one_line(error)})") from error
+        raise NiftiInputError(f"{shown}: not a readable NIfTI image ({on_one_line(error)})") from error
     if array.ndim > 3 and all(size == 1 for size in array.shape[3:]):  # (x, y, z, 1): one volume of a series
         array = array.reshape(array.shape[:3])
     if array.ndim != 3:
@@ -132,7 +133,7 @@ def _qform(header: nib.Nifti1Header) -> tuple[np.ndarray, str | None]:
     try:
         return _grid(signed.get_qform(), "qform")
     except ValueError as error:  # quaternion b, c, d beyond a unit quaternion
-        return np.eye(4), f"the qform's quaternion is not a rotation ({_one_line(error)})"
+        return np.eye(4), f"the qform's quaternion is not a rotation ({on_one_line(error)})"
 
 
 def _grid(affine: np.ndarray, which: str) -> tuple[np.ndarray, str | None]:
@@ -156,8 +157,3 @@ def _grid(affine: np.ndarray, which: str) -> tuple[np.ndarray, str | None]:
 def _in_mm(affine: np.ndarray, header: nib.Nifti1Header) -> np.ndarray:
     scale = _MM_PER_UNIT.get(int(header["xyzt_units"]) & 0x07, 1.0)
     return np.diag([scale, scale, scale, 1.0]) @ affine
-
-
-def _one_line(error: Exception) -> str:
-    """nibabel's messages may run over lines ("...\\n - could the file be damaged?")."""
-    return " ".join(str(error).split())

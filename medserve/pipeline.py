@@ -1,4 +1,5 @@
-"""The one path from a study to results, used by the App SDK operators' app, the server and the MAP runtime.
+"""The path from a study to results for the server (and its benchmarks), over the same core functions that the
+App SDK operators of apps/bundle_seg call one by one.
 
 study folder -> index -> select -> volume -> predictor -> label map in source geometry -> SEG (+ NIfTI)
 """

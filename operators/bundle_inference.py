@@ -32,7 +32,8 @@ class BundleInferenceOperator(RunEndingOperator):
         super().__init__(fragment, *args, **kwargs)
 
     @classmethod
-    def from_bundle(cls, fragment: Fragment, *args, bundle_path: Path | str, device: str | None = None, **kwargs):
+    def from_bundle(cls, fragment: Fragment, *args, bundle_path: Path | str, device: str | None = None,
+                    **kwargs) -> BundleInferenceOperator:
         return cls(fragment, *args, predictor=BundlePredictor.from_dir(bundle_path, device), **kwargs)
 
     def setup(self, spec: OperatorSpec):

@@ -8,6 +8,7 @@ from monai.deploy.core import ConditionType, Fragment, OperatorSpec
 
 from medserve.dicom.index import index_folder
 from medserve.errors import DicomInputError
+from operators.arguments import folder_argument
 from operators.failures import RunEndingOperator, reports_failures
 
 
@@ -25,8 +26,9 @@ class DicomLoaderOperator(RunEndingOperator):
 
     def __init__(self, fragment: Fragment, *args, input_folder: Path | str | None = None,
                  exclude: Path | str | None = None, **kwargs):
-        self.input_folder = Path(input_folder) if input_folder is not None else None
-        self.exclude = exclude
+        self.input_folder = (folder_argument("DicomLoaderOperator", "input_folder", input_folder)
+                             if input_folder is not None else None)
+        self.exclude = folder_argument("DicomLoaderOperator", "exclude", exclude) if exclude is not None else None
         super().__init__(fragment, *args, **kwargs)
 
     def setup(self, spec: OperatorSpec):

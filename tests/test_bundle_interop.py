@@ -137,12 +137,21 @@ def test_loader_without_an_input_folder_says_so():
     assert output.emitted == {}
 
 
+def test_loader_arguments_are_checked_when_it_is_made():
+    """An empty input_folder= became Path('') (the current folder), and exclude= was not checked at all."""
+    with pytest.raises(ValueError, match=r"^DicomLoaderOperator: input_folder= is empty; expected a folder path$"):
+        DicomLoaderOperator(Fragment(), input_folder=" ", name="loader")
+    with pytest.raises(TypeError, match=r"^DicomLoaderOperator: exclude= expects a folder path \(str or Path\); "):
+        DicomLoaderOperator(Fragment(), exclude=3, name="loader")
+
+
 def test_operator_accepts_a_stock_image_and_refuses_other_types(tmp_path, threshold_bundle):
     folder = write_series(tmp_path / "series", "axial", SQUARE)
     predictor = BundlePredictor.from_dir(threshold_bundle, device="cpu")
     fragment = Fragment()
     watch_failures(fragment)
-    operator = BundleInferenceOperator(fragment, predictor=predictor, name="bundle_inference")
+    operator = BundleInferenceOperator.from_bundle(fragment, bundle_path=threshold_bundle, device="cpu",
+                                                   name="bundle_inference")  # the README's other way to make it
     output = Emitter()
     operator.compute(Receiver(stock_load(folder)), output, None)
     assert run_record(fragment).failure is None

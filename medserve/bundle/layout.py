@@ -100,7 +100,7 @@ class BundleLayout:
         _check_config_decodes(config_path)
         weights_path = next((root / "models" / n for n in WEIGHT_NAMES if (root / "models" / n).is_file()), None)
         if weights_path is None:
-            raise BundleError(f"bundle {root}: no weights; expected models/model.pt or models/model.ts")
+            raise BundleError(f"bundle {root}: no weights; expected models/{' or models/'.join(WEIGHT_NAMES)}")
         problem = weights_file_problem(weights_path)
         if problem is not None:
             raise BundleError(f"{weights_path}: {problem}")

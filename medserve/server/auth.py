@@ -27,7 +27,7 @@ def _scopes(text: str, origin: str) -> frozenset[str]:
     return scopes
 
 
-def load_tokens(tokens_file: Path | None, env: str | None = None) -> dict[str, frozenset[str]]:
+def load_tokens(tokens_file: Path | None) -> dict[str, frozenset[str]]:
     """Tokens and their scopes; ConfigurationError naming the file and line (or MEDSERVE_TOKENS) when a source is
     unreadable or malformed. An empty token is refused: `$UNSET:admin` would otherwise grant admin to a blank one."""
     tokens: dict[str, frozenset[str]] = {}
@@ -45,7 +45,7 @@ def load_tokens(tokens_file: Path | None, env: str | None = None) -> dict[str, f
             if len(parts) != 2:
                 raise ConfigurationError(f"{tokens_file}:{number}: expected 'TOKEN SCOPE[,SCOPE]'")
             tokens[parts[0]] = _scopes(parts[1], f"{tokens_file}:{number}")
-    env = os.environ.get("MEDSERVE_TOKENS", "") if env is None else env
+    env = os.environ.get("MEDSERVE_TOKENS", "")
     for item in filter(None, (part.strip() for part in env.split(";"))):
         token, _, scopes = item.partition(":")
         if not token.strip():

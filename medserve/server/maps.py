@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import highdicom as hd
-import numpy as np
 
 from medserve.errors import BundleError, PackagingError
 from medserve.packaging import engine
@@ -152,12 +151,11 @@ def _remove_quietly(request: RunRequest) -> None:
 def result_of(seg_path: Path, nifti_path: Path | None, timings: dict[str, float]) -> StudyResult:
     """A StudyResult read back from the SEG the container wrote, so MAP answers carry the same headers and
     job fields (study, source series, voxels per segment) as a bundle run in-process."""
-    from medserve.pipeline import StudyResult
+    from medserve.pipeline import StudyResult, segment_counts
 
     seg = hd.seg.segread(seg_path)
     labels = {int(item.SegmentNumber): str(item.SegmentLabel) for item in seg.SegmentSequence}
-    values, counts = np.unique(seg.get_volume(combine_segments=True).array, return_counts=True)
-    segments = {labels[int(v)]: int(c) for v, c in zip(values, counts) if v != 0}
+    segments = segment_counts(seg.get_volume(combine_segments=True).array, labels)
     source_series = seg.ReferencedSeriesSequence[0].SeriesInstanceUID if "ReferencedSeriesSequence" in seg else None
     return StudyResult(seg_path=seg_path, nifti_path=nifti_path, study_uid=str(seg.StudyInstanceUID),
                        series_uid=str(source_series) if source_series else None,

@@ -1,5 +1,6 @@
 """One inference on a staged input, shared by the sync endpoints and the job workers: pull (DICOMweb) ->
-admission -> hot predictor -> medserve.pipeline (the same path apps/bundle_seg runs) -> files in `out_dir`.
+admission -> hot predictor -> medserve.pipeline (the core functions apps/bundle_seg's operators call) -> files in
+`out_dir`.
 A MAP model takes the same path with one container run in place of the hot predictor."""
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nif
     on_wait("waiting for the model")
     while True:
         # Outside the model's queue, so that sync requests meanwhile get model_settling at once, not a wait.
-        _settled_predictor(store, name, lambda: on_wait("waiting for the model's files to settle"))
+        _wait_until_settled(store, name, lambda: on_wait("waiting for the model's files to settle"))
         with store.use(name, lambda: on_wait("waiting for the model")) as queued:
             try:
                 predictor = store.predictor(name)
@@ -94,12 +95,13 @@ def execute(store: ModelStore, name: str, spec: InputSpec, out_dir: Path, *, nif
             return _run(predictor, spec, out_dir, nifti, queued, start, on_stage)
 
 
-def _settled_predictor(store: ModelStore, name: str, check: Callable[[], None]) -> Any:
-    """Jobs: the predictor, once a model whose files are still being copied (or were just found at a restart)
-    has settled, where a sync request gets 503 model_settling; `check` runs every second and may raise."""
+def _wait_until_settled(store: ModelStore, name: str, check: Callable[[], None]) -> None:
+    """Jobs: wait until a model whose files are still being copied (or were just found at a restart) has settled,
+    where a sync request gets 503 model_settling, and load it; `check` runs every second and may raise."""
     while True:
         try:
-            return store.predictor(name)  # loads it now on a cold start
+            store.predictor(name)  # loads it now on a cold start
+            return
         except ApiError as error:
             if error.code != "model_settling":
                 raise

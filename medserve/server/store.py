@@ -268,7 +268,7 @@ class ModelEntry:
         }
 
 
-def _default_loader(path: Path, device: str | None) -> Any:
+def _load_bundle(path: Path, device: str | None) -> Any:
     from medserve.bundle.predictor import BundlePredictor
 
     return BundlePredictor.from_dir(path, device=device)
@@ -502,7 +502,7 @@ class ModelStore:
                 entry.state = "loading"
             start = time.monotonic()
             try:
-                predictor = _default_loader(entry.path, self.config.device)
+                predictor = _load_bundle(entry.path, self.config.device)
             except Exception as error:
                 if not entry.path.exists():  # the folder went while it loaded: its removal, not a broken bundle
                     entry.state = before  # not `loading` for good: the next scan drops the entry

@@ -75,7 +75,7 @@ def test_a_bundle_removed_while_it_loads_is_gone_not_failed(make_server, study: 
         shutil.rmtree(path)
         raise BundleError(f"bundle {path}: configs/metadata.json is missing")
 
-    monkeypatch.setattr(store_module, "_default_loader", removed_meanwhile)
+    monkeypatch.setattr(store_module, "_load_bundle", removed_meanwhile)
     r = httpx.post(server.url + "/v1/models/going/infer", files=multipart_files(study), timeout=60)
     assert r.status_code == 404 and r.json() == {"error": "unknown_model", "message": "model 'going' was removed "
                                                  "from the store while it loaded"}, r.text
@@ -227,13 +227,13 @@ def held_loads(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     from medserve.server import store as store_module
 
     release = threading.Event()
-    real_loader = store_module._default_loader
+    real_loader = store_module._load_bundle
 
     def held_loader(path: Path, device: str | None) -> object:
         assert release.wait(60), "the test never released the load"
         return real_loader(path, device)
 
-    monkeypatch.setattr(store_module, "_default_loader", held_loader)
+    monkeypatch.setattr(store_module, "_load_bundle", held_loader)
     yield release
     release.set()
 
