@@ -12,17 +12,39 @@ from starlette.requests import Request
 from medserve.server.errors import ApiError
 
 
-async def body_chunks(request: Request, idle_seconds: float) -> AsyncIterator[bytes]:
-    """The body's chunks as they arrive; TimeoutError when none comes for `idle_seconds` (ClientDisconnect, as
-    Starlette's own stream, when the client goes away)."""
+class Interrupt:
+    """Lets another request end a body being read: a tus resume taking over an upload whose PATCH went quiet
+    (a client that changed networks resumes at once; waiting for the idle timeout, it was refused for a minute)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._deadline: asyncio.Timeout | None = None
+
+    def request(self) -> None:
+        self.requested = True
+        if self._deadline is not None:
+            self._deadline.reschedule(asyncio.get_running_loop().time())
+
+
+async def body_chunks(request: Request, idle_seconds: float,
+                      interrupt: Interrupt | None = None) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive; TimeoutError when none comes for `idle_seconds`, or once `interrupt` is
+    requested (ClientDisconnect, as Starlette's own stream, when the client goes away)."""
     stream = request.stream()
     try:
         while True:
             try:
-                async with asyncio.timeout(idle_seconds):  # no task per chunk, as wait_for would make
+                async with asyncio.timeout(idle_seconds) as deadline:  # no task per chunk, as wait_for would make
+                    if interrupt is not None:
+                        if interrupt.requested:
+                            raise TimeoutError
+                        interrupt._deadline = deadline
                     chunk = await anext(stream)
             except StopAsyncIteration:
                 return
+            finally:
+                if interrupt is not None:
+                    interrupt._deadline = None
             yield chunk
     finally:
         await stream.aclose()

@@ -24,6 +24,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -34,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
 from medserve.server.errors import ApiError, disk_full, header_int, insufficient_storage, shown
-from medserve.server.streams import body_chunks
+from medserve.server.streams import Interrupt, body_chunks
 
 log = logging.getLogger("medserve.server.uploads")
 
@@ -43,6 +44,7 @@ EXTENSIONS = "creation,termination,expiration,checksum"
 CHECKSUMS = {"sha1": hashlib.sha1, "md5": hashlib.md5, "sha256": hashlib.sha256}
 ID_RE = re.compile(r"[0-9a-f]{32}")
 WRITE_BATCH = 4 * 1024 * 1024
+TAKEOVER_SECONDS = 10.0  # how long a request waits for the PATCH it asked to end (it ends at its next chunk)
 
 
 @dataclass
@@ -94,6 +96,7 @@ class UploadStore:
         self.expiry_seconds = expiry_seconds
         self.idle_seconds = idle_seconds
         self._locks: dict[str, asyncio.Lock] = {}
+        self._writers: dict[str, Interrupt] = {}  # the PATCH writing an upload, for a later request to end
         for marker in self.root.glob("*.pending"):
             _drop_unverified(marker)
 
@@ -194,8 +197,30 @@ class UploadStore:
                 continue
         return gone
 
-    def lock(self, upload_id: str) -> asyncio.Lock:
-        return self._locks.setdefault(upload_id, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def writing(self, upload_id: str) -> AsyncIterator[Interrupt]:
+        """Hold the upload for one PATCH (or DELETE). A request that finds it held asks the holder to end (its
+        body stops being read, as a cut would stop it) and waits up to TAKEOVER_SECONDS for it: tusd's answer to
+        a client that resumes while its old connection, dropped without a word, still holds the upload. 423
+        when the holder does not let go in that time."""
+        lock = self._locks.setdefault(upload_id, asyncio.Lock())
+        if lock.locked() and upload_id in self._writers:
+            self._writers[upload_id].request()
+        try:
+            async with asyncio.timeout(TAKEOVER_SECONDS):
+                await lock.acquire()
+        except TimeoutError:
+            raise ApiError(423, "upload_locked", f"another request is writing this upload and did not stop within "
+                           f"{TAKEOVER_SECONDS:g} s") from None
+        interrupt = self._writers[upload_id] = Interrupt()
+        try:
+            yield interrupt
+        finally:
+            if self._writers.get(upload_id) is interrupt:
+                del self._writers[upload_id]
+            lock.release()
+            if not lock.locked() and not self._paths(upload_id)[1].exists():  # deleted: forget its lock
+                self._locks.pop(upload_id, None)
 
     def busy(self, upload_id: str) -> bool:
         """A PATCH is writing the upload (expiry waits for it to end)."""
@@ -224,7 +249,8 @@ router = APIRouter(prefix=PREFIX, tags=["uploads (tus 1.0.0)"])
 class TusProtocol:
     """ASGI middleware for the tus paths. Every response carries Tus-Resumable (tus 1.0.0 asks for it on all but
     OPTIONS's), including those no tus route made: routing's 404/405 and trailing-slash redirect, auth refusals,
-    errors (but a 500, which Starlette's outermost middleware answers). And X-HTTP-Method-Override (for clients
+    errors (but a 500, which Starlette's outermost middleware answers); every HEAD answer, Cache-Control:
+    no-store. And X-HTTP-Method-Override (for clients
     behind proxies that only pass GET and POST) is taken as the request's method, which the protocol says it
     MUST be, the actual method being ignored."""
 
@@ -248,6 +274,8 @@ class TusProtocol:
                 headers = MutableHeaders(scope=message)
                 if "tus-resumable" not in headers:
                     headers.append("Tus-Resumable", TUS_VERSION)
+                if scope["method"] == "HEAD" and "cache-control" not in headers:  # its 404/410 too (the spec's MUST)
+                    headers.append("Cache-Control", "no-store")
             await send(message)
 
         await self.app(scope, receive, send_with_version)
@@ -322,13 +350,9 @@ async def patch(request: Request, upload_id: str) -> Response:
         if len(checksum[1]) != checksum[0].digest_size:  # no digest at all would be a 460 after the whole body
             raise ApiError(400, "bad_checksum", f"Upload-Checksum needs 'ALGORITHM BASE64-DIGEST' with the "
                            f"{checksum[0].digest_size}-byte {algo} digest; got {len(checksum[1])} byte(s)")
-    # 404/410 first, so that only uploads that exist get a lock; no await until the lock is held, so nothing
-    # runs in between.
-    info = store.info(upload_id)
-    lock = store.lock(upload_id)
-    if lock.locked():
-        raise ApiError(423, "upload_locked", "another PATCH is writing this upload")
-    async with lock:
+    store.info(upload_id)  # 404/410 first, so that only uploads that exist get a lock
+    async with store.writing(upload_id) as interrupt:
+        info = store.info(upload_id)  # again: a DELETE may have taken it over meanwhile
         data_path = store._paths(upload_id)[0]
         offset = store.offset(upload_id)
         claimed = request.headers.get("upload-offset")
@@ -339,7 +363,7 @@ async def patch(request: Request, upload_id: str) -> Response:
         if claimed_offset != offset:
             raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
                            {"Upload-Offset": str(offset)})
-        body = Body(request, offset, info.length, store.idle_seconds)
+        body = Body(request, offset, info.length, store.idle_seconds, interrupt)
         try:
             if checksum is None:
                 received = await _receive(body, data_path)
@@ -357,9 +381,12 @@ async def patch(request: Request, upload_id: str) -> Response:
         if new_offset == info.length:
             log.info("upload %s complete (%d bytes)", upload_id, info.length)
         headers = {"Upload-Offset": str(new_offset), "Upload-Expires": _http_date(info.expires)}
+        kept = "the bytes received were kept" if checksum is None else "the checksummed chunk was dropped"
         if body.ended == "stalled":
-            kept = "the bytes received were kept" if checksum is None else "the checksummed chunk was dropped"
             raise ApiError(408, "upload_stalled", f"no body bytes for {store.idle_seconds:g} s; {kept}; resume "
+                           f"from Upload-Offset {new_offset}", {**headers, "Connection": "close"})
+        if body.ended == "taken over":
+            raise ApiError(409, "upload_interrupted", f"another request took this upload over; {kept}; resume "
                            f"from Upload-Offset {new_offset}", {**headers, "Connection": "close"})
         return Response(status_code=204, headers=_tus_headers(**headers))
 
@@ -369,22 +396,24 @@ class Body:
     `length`. `ended` says how it ended: "complete", "disconnected" (the client went away) or "stalled" (no bytes
     for `idle_seconds`, see `medserve.server.streams`: the upload stayed locked for ever)."""
 
-    def __init__(self, request: Request, offset: int, length: int, idle_seconds: float) -> None:
+    def __init__(self, request: Request, offset: int, length: int, idle_seconds: float,
+                 interrupt: Interrupt | None = None) -> None:
         self.request = request
         self.offset = offset
         self.length = length
         self.idle_seconds = idle_seconds
+        self.interrupt = interrupt
         self.ended = "complete"
 
     async def chunks(self) -> Any:
         try:
-            async with contextlib.aclosing(body_chunks(self.request, self.idle_seconds)) as chunks:
+            async with contextlib.aclosing(body_chunks(self.request, self.idle_seconds, self.interrupt)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except ClientDisconnect:
             self.ended = "disconnected"
         except TimeoutError:
-            self.ended = "stalled"
+            self.ended = "taken over" if self.interrupt is not None and self.interrupt.requested else "stalled"
 
 
 async def _receive(body: Body, path: Path) -> int:
@@ -475,7 +504,7 @@ async def terminate(request: Request, upload_id: str) -> Response:
     _check_version(request)
     store = _uploads(request)
     store.info(upload_id)
-    if store.busy(upload_id):
-        raise ApiError(423, "upload_locked", "a PATCH is writing this upload")
-    store.delete(upload_id)
+    async with store.writing(upload_id):  # a PATCH writing it is asked to end first
+        store.info(upload_id)
+        store.delete(upload_id)
     return Response(status_code=204, headers=_tus_headers())

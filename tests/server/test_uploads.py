@@ -254,11 +254,47 @@ def test_a_patch_whose_body_stalls_ends_and_frees_the_upload(make_server, checks
     assert (r.status_code, r.headers["Upload-Offset"]) == (204, "1000"), r.text
 
 
+@pytest.mark.parametrize("method", ["PATCH", "DELETE"])
+def test_a_resume_takes_over_an_upload_whose_patch_went_quiet(make_server, method: str) -> None:
+    """A client whose link dropped without a word left its PATCH holding the upload until the idle timeout (a
+    minute): its resume, or a DELETE, got 423 meanwhile, and tus-js-client gives up after 9 s. The new request
+    now asks the quiet PATCH to end, as tusd does; that PATCH ends 409 upload_interrupted, keeping what arrived."""
+    server = make_server(upload_idle_seconds=60.0)
+    url = _create(server, 1000)
+    path = "/" + url.split("/", 3)[3]
+    head = (f"PATCH {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nTus-Resumable: 1.0.0\r\nUpload-Offset: 0\r\n"
+            f"Content-Type: application/offset+octet-stream\r\nContent-Length: 1000\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.config.port), timeout=30) as quiet:
+        quiet.sendall(head + bytes(100))  # and then nothing more, the connection left open
+        deadline = time.monotonic() + 10
+        while not server.app.state.uploads.busy(url.rsplit("/", 1)[-1]):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        if method == "PATCH":  # the resume's HEAD said 0: the quiet PATCH's 100 bytes were not on disk yet
+            r = _patch(url, bytes(1000), 0)
+            assert (r.status_code, r.headers["Upload-Offset"]) == (409, "100"), r.text  # kept: resume from there
+            r = _patch(url, bytes(900), 100)
+            assert (r.status_code, r.headers["Upload-Offset"]) == (204, "1000"), r.text
+        else:
+            r = httpx.delete(url, headers=TUS)
+            assert r.status_code == 204, r.text
+        assert time.monotonic() - started < 5
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            data = quiet.recv(65536)
+            assert data, answer
+            answer += data
+    assert answer.startswith(b"HTTP/1.1 409") and b"upload_interrupted" in answer, answer
+    assert b"upload-offset: 100" in answer.lower(), answer
+
+
 def test_expiration(make_server) -> None:
     server = make_server(upload_expiry_seconds=0.5)
     url = _create(server, 4)
     time.sleep(0.8)
-    assert httpx.head(url, headers=TUS).status_code == 410
+    gone = httpx.head(url, headers=TUS)
+    assert (gone.status_code, gone.headers.get("Cache-Control")) == (410, "no-store")  # a HEAD's error too
     assert not list(server.config.uploads_dir.glob("*.bin"))
 
 
@@ -301,7 +337,7 @@ def test_an_upload_being_written_is_not_handed_to_inference(tmp_path: Path) -> N
     store._paths(info.id)[0].write_bytes(b"DICM")  # complete, but a PATCH may still roll its last bytes back
 
     async def while_patching() -> None:
-        async with store.lock(info.id):
+        async with store.writing(info.id):
             with pytest.raises(ApiError) as raised:
                 store.finished(info.id)
             assert (raised.value.status, raised.value.code) == (409, "upload_in_progress")
