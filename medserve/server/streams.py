@@ -22,7 +22,7 @@ class Interrupt:
 
     def request(self) -> None:
         self.requested = True
-        if self._deadline is not None:
+        if self._deadline is not None and not self._deadline.expired():  # one expiring now may not be changed
             self._deadline.reschedule(asyncio.get_running_loop().time())
 
 
@@ -36,9 +36,9 @@ async def body_chunks(request: Request, idle_seconds: float,
             try:
                 async with asyncio.timeout(idle_seconds) as deadline:  # no task per chunk, as wait_for would make
                     if interrupt is not None:
-                        if interrupt.requested:
-                            raise TimeoutError
                         interrupt._deadline = deadline
+                        if interrupt.requested:  # asked between chunks: end if more must be waited for, not if the
+                            deadline.reschedule(asyncio.get_running_loop().time())  # rest has arrived already
                     chunk = await anext(stream)
             except StopAsyncIteration:
                 return

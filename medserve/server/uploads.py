@@ -45,6 +45,7 @@ CHECKSUMS = {"sha1": hashlib.sha1, "md5": hashlib.md5, "sha256": hashlib.sha256}
 ID_RE = re.compile(r"[0-9a-f]{32}")
 WRITE_BATCH = 4 * 1024 * 1024
 TAKEOVER_SECONDS = 10.0  # how long a request waits for the PATCH it asked to end (it ends at its next chunk)
+TAKEOVER_POLL_SECONDS = 0.5
 
 
 @dataclass
@@ -204,14 +205,19 @@ class UploadStore:
         a client that resumes while its old connection, dropped without a word, still holds the upload. 423
         when the holder does not let go in that time."""
         lock = self._locks.setdefault(upload_id, asyncio.Lock())
-        if lock.locked() and upload_id in self._writers:
-            self._writers[upload_id].request()
-        try:
-            async with asyncio.timeout(TAKEOVER_SECONDS):
-                await lock.acquire()
-        except TimeoutError:
-            raise ApiError(423, "upload_locked", f"another request is writing this upload and did not stop within "
-                           f"{TAKEOVER_SECONDS:g} s") from None
+        loop = asyncio.get_running_loop()
+        given_up = loop.time() + TAKEOVER_SECONDS
+        while True:  # the holder may change while this waits (another request took it over first): ask each one
+            if upload_id in self._writers:
+                self._writers[upload_id].request()
+            try:
+                async with asyncio.timeout(min(TAKEOVER_POLL_SECONDS, max(0.0, given_up - loop.time()))):
+                    await lock.acquire()
+                break
+            except TimeoutError:
+                if loop.time() >= given_up:
+                    raise ApiError(423, "upload_locked", f"another request is writing this upload and did not stop "
+                                   f"within {TAKEOVER_SECONDS:g} s") from None
         interrupt = self._writers[upload_id] = Interrupt()
         try:
             yield interrupt
@@ -351,15 +357,15 @@ async def patch(request: Request, upload_id: str) -> Response:
             raise ApiError(400, "bad_checksum", f"Upload-Checksum needs 'ALGORITHM BASE64-DIGEST' with the "
                            f"{checksum[0].digest_size}-byte {algo} digest; got {len(checksum[1])} byte(s)")
     store.info(upload_id)  # 404/410 first, so that only uploads that exist get a lock
+    claimed = request.headers.get("upload-offset")
+    claimed_offset = header_int(claimed)
+    if claimed_offset is None:  # before taking the upload over: a malformed request must not end a good one
+        raise ApiError(400, "bad_upload_offset", f"Upload-Offset must be a non-negative integer, not {claimed!r}",
+                       {"Upload-Offset": str(store.offset(upload_id))})
     async with store.writing(upload_id) as interrupt:
         info = store.info(upload_id)  # again: a DELETE may have taken it over meanwhile
         data_path = store._paths(upload_id)[0]
         offset = store.offset(upload_id)
-        claimed = request.headers.get("upload-offset")
-        claimed_offset = header_int(claimed)
-        if claimed_offset is None:
-            raise ApiError(400, "bad_upload_offset", f"Upload-Offset must be a non-negative integer, not {claimed!r}",
-                           {"Upload-Offset": str(offset)})
         if claimed_offset != offset:
             raise ApiError(409, "offset_mismatch", f"Upload-Offset {claimed} != current offset {offset}",
                            {"Upload-Offset": str(offset)})
@@ -393,8 +399,9 @@ async def patch(request: Request, upload_id: str) -> Response:
 
 class Body:
     """A PATCH's body as it arrives, to be written at the upload's `offset` without going past its declared
-    `length`. `ended` says how it ended: "complete", "disconnected" (the client went away) or "stalled" (no bytes
-    for `idle_seconds`, see `medserve.server.streams`: the upload stayed locked for ever)."""
+    `length`. `ended` says how it ended: "complete", "disconnected" (the client went away), "stalled" (no bytes
+    for `idle_seconds`, see `medserve.server.streams`) or "taken over" (another request asked it to end, see
+    `UploadStore.writing`)."""
 
     def __init__(self, request: Request, offset: int, length: int, idle_seconds: float,
                  interrupt: Interrupt | None = None) -> None:

@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -473,3 +474,99 @@ def test_a_checksummed_chunk_cut_by_the_servers_stop_is_dropped_at_once(tmp_path
 
     anyio.run(stop_during_the_body)
     assert data.read_bytes() == b"abc" and not pending.exists()
+
+
+def _body_request(*chunks: bytes, more: bool = True) -> Any:
+    """A Starlette request whose body is `chunks`, then (with `more`) nothing: a link gone quiet."""
+    from starlette.requests import Request
+
+    messages: asyncio.Queue = asyncio.Queue()
+    for index, chunk in enumerate(chunks):
+        messages.put_nowait({"type": "http.request", "body": chunk,
+                             "more_body": more or index < len(chunks) - 1})
+    return Request({"type": "http", "method": "PATCH", "headers": [], "path": "/"}, messages.get)
+
+
+def test_takeovers_end_quiet_patches_only_and_each_holder_in_turn(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the review of the takeover: a request queued behind another waiter never asked the next holder to
+    end (423 after the wait); a PATCH whose whole body had arrived, asked during its last disk write, was dropped
+    as taken over; a request that came while a first one's ask was expiring the holder's wait failed with
+    RuntimeError (a 500)."""
+    from medserve.server import uploads as uploads_module
+    from medserve.server.uploads import Body, _receive_verified
+
+    monkeypatch.setattr(uploads_module, "TAKEOVER_POLL_SECONDS", 0.1)
+    store = UploadStore(tmp_path, max_bytes=10**6, expiry_seconds=60)
+    info = store.create(1000)
+
+    async def quiet_patch(name: str, ended: dict, upload_id: str) -> None:
+        async with store.writing(upload_id) as interrupt:
+            body = Body(_body_request(b"x"), 0, 1000, 60, interrupt)
+            async for _ in body.chunks():
+                pass
+            ended[name] = body.ended
+
+    async def queued_in_turn() -> dict:
+        ended: dict[str, str] = {}
+        first = asyncio.create_task(quiet_patch("first", ended, info.id))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(quiet_patch("second", ended, info.id))  # a resume whose link goes quiet too
+        third = asyncio.create_task(quiet_patch("third", ended, info.id))  # came while the first still held it
+        await asyncio.sleep(1.0)
+        holds = store.busy(info.id)
+        for task in (first, second, third):
+            task.cancel()
+        await asyncio.gather(first, second, third, return_exceptions=True)
+        return {**ended, "third holds": holds}
+
+    assert asyncio.run(queued_in_turn()) == {"first": "taken over", "second": "taken over", "third holds": True}
+
+    other = store.create(1000).id  # an asyncio lock belongs to one event loop
+
+    async def racing_an_expiring_ask() -> dict:
+        ended: dict[str, str] = {}
+        holder = asyncio.create_task(quiet_patch("holder", ended, other))
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+
+        async def taker(name: str) -> None:
+            async with store.writing(other):
+                ended[name] = "took it"
+
+        def one_then_another() -> None:  # the second's step lands after the first ask's expiry, before the holder
+            loop.create_task(taker("one"))
+            loop.call_soon(lambda: loop.create_task(taker("another")))
+
+        loop.call_soon(one_then_another)
+        await asyncio.sleep(0.5)
+        await holder
+        return ended
+
+    assert asyncio.run(racing_an_expiring_ask()) == {"holder": "taken over", "one": "took it", "another": "took it"}
+
+    monkeypatch.setattr(uploads_module, "WRITE_BATCH", 150)
+    whole = store.create(200)
+    data = store._paths(whole.id)[0]
+
+    async def asked_during_the_last_write() -> tuple:
+        request = _body_request(b"a" * 100, b"b" * 100, more=False)
+
+        async def holder() -> tuple:
+            async with store.writing(whole.id) as interrupt:
+                body = Body(request, 0, 200, 60, interrupt)
+                kept = await _receive_verified(body, data, store.pending_path(whole.id),
+                                               (hashlib.sha1(), hashlib.sha1(b"a" * 100 + b"b" * 100).digest()))
+                return body.ended, kept
+
+        writing = asyncio.create_task(holder())
+        for _ in range(20):  # until the whole body has been read, and the holder writes it
+            await asyncio.sleep(0)
+
+        async def taker() -> int:
+            async with store.writing(whole.id):
+                return store.offset(whole.id)
+
+        return await writing, await asyncio.create_task(taker())
+
+    assert asyncio.run(asked_during_the_last_write()) == (("complete", 200), 200)
