@@ -294,10 +294,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         metrics.latency.labels(name, "v1").observe(time.monotonic() - start)
         metrics.queue.labels(name).observe(outcome.queued_s)
         headers = {"X-Medserve-Timings": json.dumps({k: round(v, 4) for k, v in outcome.timings.items()}),
-                   "X-Medserve-Segments": json.dumps(getattr(result, "segments", {}) or {}, default=int)}
-        for attr, header in (("study_uid", "X-Medserve-Study-UID"), ("series_uid", "X-Medserve-Series-UID")):
-            if getattr(result, attr, None):
-                headers[header] = str(getattr(result, attr))
+                   "X-Medserve-Segments": json.dumps(result.segments, default=int)}
+        for uid, header in ((result.study_uid, "X-Medserve-Study-UID"), (result.series_uid, "X-Medserve-Series-UID")):
+            if uid:
+                headers[header] = uid
         return FileResponse(path, media_type=MEDIA[fmt], filename=FILENAMES[fmt], headers=headers,
                             background=BackgroundTask(shutil.rmtree, work, True))
 

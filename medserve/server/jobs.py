@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from medserve.errors import MedserveError
 from medserve.net import without_credentials
@@ -37,6 +37,9 @@ from medserve.server.errors import ApiError, client_message, for_want_of_room, s
 from medserve.server.inputs import InputSpec
 from medserve.server.runner import execute, pull
 from medserve.server.store import ModelStore
+
+if TYPE_CHECKING:  # medserve.pipeline imports torch
+    from medserve.pipeline import StudyResult
 
 log = logging.getLogger("medserve.server.jobs")
 
@@ -533,23 +536,26 @@ class JobQueue:
             if for_want_of_room(error):  # the server's condition, not the job's: it waits for room (see `_run`)
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise ServerDiskFull(str(error)) from error
-            if isinstance(error, ApiError):
-                message = error.message
-            elif isinstance(error, (MedserveError, DicomWebError)) and spec.path is not None \
-                    and not spec.path.exists():  # its own words would name a server path
-                message = ("the job's input is gone from the server's data dir (removed while the job waited or "
-                           "ran); submit the job again")
-            elif isinstance(error, MedserveError):
-                message = client_message(error, folder / "input" / "dicom", folder / "input", work, folder)
-            elif isinstance(error, DicomWebError):
-                message = str(error)
-            else:  # a bug or a library failure: record it, keep the worker alive
-                log.exception("job %s crashed", job_id)
-                message = f"{type(error).__name__}: {error}"
-            self._fail(job_id, message, timings)
+            self._fail(job_id, self._failure_message(job_id, error, spec), timings)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         self._drop_input(job_id)  # every way here ends the job; a failure to record that leaves it for recover()
+
+    def _failure_message(self, job_id: str, error: Exception, spec: InputSpec) -> str:
+        """What the job's record says of the error that ended it, in the client's terms (no server paths)."""
+        folder = self.job_dir(job_id)
+        if isinstance(error, ApiError):
+            return error.message
+        if isinstance(error, (MedserveError, DicomWebError)) and spec.path is not None and not spec.path.exists():
+            # its own words would name a server path
+            return "the job's input is gone from the server's data dir (removed while the job waited or ran); " \
+                   "submit the job again"
+        if isinstance(error, MedserveError):
+            return client_message(error, folder / "input" / "dicom", folder / "input", folder / "work", folder)
+        if isinstance(error, DicomWebError):
+            return str(error)
+        log.exception("job %s crashed", job_id, exc_info=error)  # a bug or a library failure: the worker lives on
+        return f"{type(error).__name__}: {error}"
 
     def _infer(self, job_id: str, model: str, spec: InputSpec, work: Path,
                timings: dict[str, float]) -> dict[str, str]:
@@ -573,13 +579,13 @@ class JobQueue:
             self.metrics.queue.labels(model).observe(outcome.queued_s)
         self._progress(job_id, "saving the result", 0.9)
         outputs: dict[str, str] = {}
-        if getattr(result, "seg_path", None):
+        if result.seg_path is not None:
             outputs["seg"] = Path(result.seg_path).relative_to(tmp).as_posix()
-        if getattr(result, "nifti_path", None):
+        if result.nifti_path is not None:
             outputs["nifti"] = Path(result.nifti_path).relative_to(tmp).as_posix()
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # the files are in place before the row says so
-        segments = json.dumps(getattr(result, "segments", None), default=int)
+        segments = json.dumps(result.segments, default=int)
         segmented = _segmented(result)
         saved = self._exec("UPDATE jobs SET outputs=?, segments=?, segmented=?, timings=? WHERE id=? AND "
                            "state='running' RETURNING id",
@@ -635,10 +641,10 @@ def backoff_seconds(failures: int) -> float:
     return min(_LONGEST_DATABASE_WAIT_S, 2.0 ** min(failures - 1, 8))
 
 
-def _segmented(result: Any) -> str | None:
+def _segmented(result: StudyResult) -> str | None:
     """The study and series a DICOM input's SEG was made of (an input may hold several; one is segmented), as the
     job's JSON shows them; None for a NIfTI input."""
-    study, series = getattr(result, "study_uid", None), getattr(result, "series_uid", None)
+    study, series = result.study_uid, result.series_uid
     if study is None and series is None:
         return None
     return json.dumps({"study_uid": study, "series_uid": series})

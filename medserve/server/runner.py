@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -21,12 +21,15 @@ from medserve.server.inputs import InputSpec
 from medserve.server.maps import MapModel
 from medserve.server.store import ModelStore
 
+if TYPE_CHECKING:  # medserve.pipeline imports torch; it is imported when a run needs it
+    from medserve.pipeline import StudyResult
+
 log = logging.getLogger("medserve.server.runner")
 
 
 @dataclass
 class Outcome:
-    result: Any  # medserve.pipeline.StudyResult
+    result: StudyResult  # from the pipeline, or read back from a MAP's SEG
     queued_s: float
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -70,7 +73,7 @@ def _run(predictor: Any, spec: InputSpec, out_dir: Path, nifti: bool, queued: fl
     else:
         result = pipeline.run_study(spec.path, predictor, out_dir, nifti=nifti, on_stage=on_stage)
     timings["pipeline_s"] = time.monotonic() - run_start
-    for key, value in (getattr(result, "timings", None) or {}).items():
+    for key, value in result.timings.items():
         timings[f"pipeline.{key}"] = float(value)
     return Outcome(result, queued, timings)
 
