@@ -78,11 +78,6 @@ class _Patience:
         time.sleep(delay)
 
 
-def _retry_after(value: str | None) -> float | None:
-    """Retry-After in seconds (its HTTP-date form is not used by medserve, and read as absent)."""
-    return float(value) if value is not None and value.strip().isdigit() else None
-
-
 def cache_dir() -> Path:
     """$MEDSERVE_CACHE (an empty one counts as unset, not as the current folder), else ~/.cache/medserve."""
     root = Path(os.environ.get("MEDSERVE_CACHE") or Path.home() / ".cache" / "medserve")
@@ -278,9 +273,12 @@ class Client:
 
     def _check(self, response: httpx.Response, repeatable: bool = True) -> httpx.Response:
         if response.status_code >= 400:
+            from medserve.server.errors import header_int  # the server's modules stay out of the CLI's start
+
             retryable = response.status_code in (RETRY_STATUSES if repeatable else REFUSED_UNTOUCHED)
+            # Retry-After in seconds; its HTTP-date form (medserve sends none) is read as absent
             raise ClientError(f"server answered {response.status_code}: {_server_message(response.content)}",
-                              response.status_code, retryable, _retry_after(response.headers.get("retry-after")))
+                              response.status_code, retryable, header_int(response.headers.get("retry-after")))
         return response
 
     def _unreachable(self, error: Exception, repeatable: bool = True) -> ClientError:

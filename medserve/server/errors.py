@@ -135,10 +135,10 @@ def for_want_of_room(error: BaseException) -> bool:
     return False
 
 
-def insufficient_storage(what: str) -> ApiError:
+def insufficient_storage(what: str, headers: dict[str, str] | None = None) -> ApiError:
     """The server's disk is full (or its quota used up) while it stores `what`: the client may retry later."""
     return ApiError(507, "insufficient_storage", f"the server has no room left for {what}; retry later",
-                    {"Retry-After": "60"})
+                    {"Retry-After": "60", **(headers or {})})
 
 
 async def os_error_handler(request: Request, exc: Exception) -> JSONResponse:

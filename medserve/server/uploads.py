@@ -22,9 +22,9 @@ import os
 import re
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -256,9 +256,8 @@ class TusProtocol:
     """ASGI middleware for the tus paths. Every response carries Tus-Resumable (tus 1.0.0 asks for it on all but
     OPTIONS's), including those no tus route made: routing's 404/405 and trailing-slash redirect, auth refusals,
     errors (but a 500, which Starlette's outermost middleware answers); every HEAD answer, Cache-Control:
-    no-store. And X-HTTP-Method-Override (for clients
-    behind proxies that only pass GET and POST) is taken as the request's method, which the protocol says it
-    MUST be, the actual method being ignored."""
+    no-store. And X-HTTP-Method-Override (for clients behind proxies that only pass GET and POST) is taken as the
+    request's method, which the protocol says it MUST be, the actual method being ignored."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -379,9 +378,8 @@ async def patch(request: Request, upload_id: str) -> Response:
             if not disk_full(error):
                 raise
             log.error("no room left on the server's disk for upload %s: %s", upload_id, error)
-            full = insufficient_storage("this upload chunk")  # what was written is kept, as for a cut PATCH
-            raise ApiError(full.status, full.code, full.message,
-                           {**full.headers, "Upload-Offset": str(store.offset(upload_id))}) from error
+            raise insufficient_storage("this upload chunk",  # what was written is kept, as for a cut PATCH
+                                       {"Upload-Offset": str(store.offset(upload_id))}) from error
         store.touch(info)
         new_offset = offset + received
         if new_offset == info.length:

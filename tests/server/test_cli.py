@@ -731,3 +731,17 @@ def test_an_upload_resumes_after_the_server_restarts_under_it(tmp_path: Path, st
         if restart.is_alive():
             restart.join()  # a started server must not outlive the test
         restarted.stop()
+
+
+@pytest.mark.parametrize(("value", "expected"), [("7", 7), ("²", None), ("Wed, 21 Oct 2026 07:28:00 GMT", None)])
+def test_a_retry_after_is_read_as_whole_seconds_or_not_at_all(value: str, expected: int | None) -> None:
+    """The client's own Retry-After reader took '²' (str.isdigit says yes) to float() and failed with ValueError;
+    it now reads the header as the server reads its integer headers."""
+    import httpx
+
+    from medserve.server.client import Client, ClientError
+
+    answer = httpx.Response(503, headers=[(b"retry-after", value.encode("latin-1"))], content=b"{}")
+    with pytest.raises(ClientError) as refused:
+        Client("http://127.0.0.1:1")._check(answer)
+    assert (refused.value.retryable, refused.value.retry_after) == (True, expected)
