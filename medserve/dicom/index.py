@@ -74,7 +74,7 @@ class Series:
     volume_memory: VolumeMemory | None = field(default=None, repr=False, compare=False)
     # The checked slice order once computed (medserve.dicom.volume): the default selection checks it, and loading
     # the selected series then uses it rather than checking the geometry twice.
-    volume_order: Any = field(default=None, repr=False, compare=False)
+    volume_order: tuple[list[Instance], float] | None = field(default=None, repr=False, compare=False)
 
     @property
     def header(self) -> Dataset:

@@ -42,6 +42,8 @@ _ORTHONORMAL_TOLERANCE = 2e-3
 # Slice positions written with 2 decimals are each off by up to sqrt(3) x 0.005 mm along an oblique normal: on
 # thin slices more than the relative tolerance, so spacing may always vary by this much.
 _POSITION_ROUNDING_MM = 0.02
+# How far slice spacing may deviate from regular before a series is refused: relative to the mean, as highdicom.
+_SPACING_RTOL = 0.01
 _LPS_TO_RAS = np.diag([-1.0, -1.0, 1.0, 1.0])
 _SPACING_TOLERANCE_MM = 1e-3
 # Spacings outside this range are damaged values, not voxels (micro-CT voxels are a micrometre): highdicom's
@@ -61,13 +63,6 @@ _ALONG_NORMAL = "LEFT_HANDED"
 
 
 @dataclass(frozen=True)
-class SpacingTolerance:
-    """How far slice spacing may deviate from regular before a series is refused (relative, as highdicom)."""
-
-    rtol: float = 0.01
-
-
-@dataclass(frozen=True)
 class LoadedSeries:
     """A series read into a volume, with its instances in the volume's slice order (what a SEG references)."""
 
@@ -80,11 +75,11 @@ class LoadedSeries:
         return [instance.dataset for instance in self.instances]
 
 
-def load_series(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> LoadedSeries:
+def load_series(series: Series) -> LoadedSeries:
     """Build the volume of `series`; raise VolumeError naming the file and the problem if it is not regular."""
     if series.is_multiframe:
-        return LoadedSeries(series, _multiframe_volume(series.instances[0], tolerance), list(series.instances))
-    ordered, spacing = _volume_order(series, tolerance)
+        return LoadedSeries(series, _multiframe_volume(series.instances[0]), list(series.instances))
+    ordered, spacing = _volume_order(series)
     first = ordered[0].dataset
     shape = (len(ordered), int(first.Rows), int(first.Columns))
     check_first_frame_length(ordered[0], *shape[1:])
@@ -105,8 +100,8 @@ def _allocated(shape: tuple[int, int, int], first: Instance) -> np.ndarray:
                           f"{gib:.1f} GiB as float32, more than can be allocated here ({error})") from None
 
 
-def series_to_volume(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> hd.Volume:
-    return load_series(series, tolerance).volume
+def series_to_volume(series: Series) -> hd.Volume:
+    return load_series(series).volume
 
 
 def ras_affine(volume: hd.Volume) -> np.ndarray:
@@ -153,13 +148,12 @@ def _deviation_from_orthonormal(row: np.ndarray, column: np.ndarray) -> tuple[fl
     return float(length), float(abs(row @ column))
 
 
-def ordered_instances(series: Series, tolerance: SpacingTolerance = SpacingTolerance()) -> list[Instance]:
+def ordered_instances(series: Series) -> list[Instance]:
     """The series' instances in volume order (slice index 0 first), as `load_series` stacks them."""
-    return _volume_order(series, tolerance)[0]
+    return _volume_order(series)[0]
 
 
-def datasets_in_slice_order(datasets: list[pydicom.Dataset],
-                            tolerance: SpacingTolerance = SpacingTolerance()) -> list[pydicom.Dataset]:
+def datasets_in_slice_order(datasets: list[pydicom.Dataset]) -> list[pydicom.Dataset]:
     """Datasets of one series read elsewhere (the stock SDK loader's, say) in volume order, after the checks
     `load_series` makes; VolumeError with the reason when they do not form a volume."""
     if not datasets:
@@ -170,21 +164,19 @@ def datasets_in_slice_order(datasets: list[pydicom.Dataset],
     first = datasets[0]
     series = Series(study_uid=str(first.get("StudyInstanceUID", "")),
                     series_uid=str(first.get("SeriesInstanceUID", "")), instances=instances)
-    return [instance.dataset for instance in ordered_instances(series, tolerance)]
+    return [instance.dataset for instance in ordered_instances(series)]
 
 
-def _volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Instance], float]:
-    """Instances in volume order and the slice spacing, after checking the series' geometry (once per series and
-    tolerance)."""
+def _volume_order(series: Series) -> tuple[list[Instance], float]:
+    """Instances in volume order and the slice spacing, after checking the series' geometry (once per series)."""
     if series.is_multiframe:
         return list(series.instances), 0.0
-    if series.volume_order is not None and series.volume_order[0] == tolerance:
-        return series.volume_order[1]
-    series.volume_order = (tolerance, _checked_volume_order(series, tolerance))
-    return series.volume_order[1]
+    if series.volume_order is None:
+        series.volume_order = _checked_volume_order(series)
+    return series.volume_order
 
 
-def _checked_volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[list[Instance], float]:
+def _checked_volume_order(series: Series) -> tuple[list[Instance], float]:
     multiframe = [instance for instance in series.instances if instance.is_multiframe]
     if multiframe:
         raise VolumeError(f"series {series.series_uid} has {len(series.instances)} instances of which "
@@ -194,7 +186,7 @@ def _checked_volume_order(series: Series, tolerance: SpacingTolerance) -> tuple[
     _check_one_frame_of_reference(series.instances)  # before the positions are compared: they may not be comparable
     # highdicom takes |row x column| as the unit normal: rounded cosines would scale the spacing and fail its
     # stacking check.
-    order, spacing = _slice_order(series.instances, positions, np.concatenate(_orthonormal(orientation)), tolerance)
+    order, spacing = _slice_order(series.instances, positions, np.concatenate(_orthonormal(orientation)))
     _check_distinct_images(series.instances)  # after: a copied file is a duplicated slice first
     return [series.instances[i] for i in order], spacing
 
@@ -308,8 +300,7 @@ def _geometry_values(instance: Instance, keyword: str, count: int) -> tuple[floa
     return values
 
 
-def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: np.ndarray,
-                 tolerance: SpacingTolerance) -> tuple[list[int], float]:
+def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: np.ndarray) -> tuple[list[int], float]:
     """Indices of `instances` in volume order and the slice spacing, or VolumeError with the reason."""
     if len(instances) == 1:
         return [0], single_image_spacing(instances[0].dataset)
@@ -324,7 +315,7 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
                                                            if len(paths) > _LISTED_DUPLICATES else "")
         raise VolumeError(f"duplicated slice at {duplicate:.3f} mm along the slice normal: {listed}")
     position_list, orientation_list = positions.tolist(), orientation.tolist()
-    atol = _spacing_atol(gaps, tolerance)
+    atol = _spacing_atol(gaps)
     spacing, indices = hd.spatial.get_volume_positions(position_list, orientation_list, atol=atol,
                                                        sort=True, handedness=_ALONG_NORMAL)
     if spacing is None or indices is None:
@@ -351,10 +342,10 @@ def _slice_order(instances: list[Instance], positions: np.ndarray, orientation: 
     return order, float(spacing)
 
 
-def _spacing_atol(gaps: np.ndarray, tolerance: SpacingTolerance) -> float:
-    """How far, in mm, slice positions may lie from a regular stack: `tolerance` of the mean spacing (highdicom's
+def _spacing_atol(gaps: np.ndarray) -> float:
+    """How far, in mm, slice positions may lie from a regular stack: 1 % of the mean spacing (highdicom's
     rtol is of the mean spacing too), and never less than what positions written with 2 decimals are off by."""
-    return max(tolerance.rtol * float(gaps.mean()), _POSITION_ROUNDING_MM)
+    return max(_SPACING_RTOL * float(gaps.mean()), _POSITION_ROUNDING_MM)
 
 
 def _check_drift(sorted_distances: np.ndarray, atol: float, what: str) -> None:
@@ -486,7 +477,7 @@ def _is_big_endian(dataset: pydicom.Dataset) -> bool:
     return dataset.original_encoding[1] is False
 
 
-def _multiframe_atol(dataset: pydicom.Dataset, name: str, tolerance: SpacingTolerance) -> float | None:
+def _multiframe_atol(dataset: pydicom.Dataset, name: str) -> float | None:
     """The spacing tolerance of a multi-frame image's frames, as `_slice_order` has it for single-frame slices,
     after refusing frames that drift from a regular spacing beyond it; None (highdicom's own tolerance) when the
     frames' positions cannot be read here."""
@@ -496,7 +487,7 @@ def _multiframe_atol(dataset: pydicom.Dataset, name: str, tolerance: SpacingTole
     gaps = np.diff(distances)
     if np.any(gaps < 1e-3):
         return None  # several frames at one position: highdicom refuses them (allow_duplicate_positions=False)
-    atol = _spacing_atol(gaps, tolerance)
+    atol = _spacing_atol(gaps)
     try:
         _check_drift(distances, atol, "frame")
     except VolumeError as error:
@@ -504,14 +495,13 @@ def _multiframe_atol(dataset: pydicom.Dataset, name: str, tolerance: SpacingTole
     return atol
 
 
-def multiframe_geometry(dataset: pydicom.Dataset,
-                        tolerance: SpacingTolerance = SpacingTolerance()) -> hd.VolumeGeometry:
+def multiframe_geometry(dataset: pydicom.Dataset) -> hd.VolumeGeometry:
     """Where the frames of a multi-frame (Enhanced) image lie as a volume, slices ascending along the normal as
     `load_series` stacks them: a label map in that order becomes a Volume (`with_array`) that highdicom maps onto
     the frames by position, whatever order they are stored in. VolumeError when they do not form a volume."""
     name = getattr(dataset, "filename", None) or f"SOP instance {dataset.get('SOPInstanceUID', '?')}"
     evened = _frames_for_highdicom(dataset, name)
-    atol = _multiframe_atol(evened, name, tolerance)  # as the volume build has it: on the evened frames
+    atol = _multiframe_atol(evened, name)  # as the volume build has it: on the evened frames
     try:  # from_dataset without copying converts the object it is given: a shallow copy keeps the caller's as it is
         geometry = hd.Image.from_dataset(copy.copy(evened), copy=False).get_volume_geometry(
             atol=atol, allow_duplicate_positions=False)  # as get_volume: several phases at one position are no volume
@@ -601,7 +591,7 @@ def _check_frame_count(dataset: pydicom.Dataset, instance: Instance) -> None:
                               f"Columns x BitsAllocated/8 = {frame_bytes} bytes; NumberOfFrames says {frames}")
 
 
-def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Volume:
+def _multiframe_volume(instance: Instance) -> hd.Volume:
     """Enhanced CT/MR: highdicom reads per-frame functional groups and applies the modality transform only, as
     for single-frame slices: not a Real World Value Mapping (which Enhanced MR often carries, in other units than
     the modality's) and not the presentation LUT."""
@@ -618,7 +608,7 @@ def _multiframe_volume(instance: Instance, tolerance: SpacingTolerance) -> hd.Vo
             raise
         except Exception as error:  # pydicom's frame splitting on items that do not add up to the frames
             raise VolumeError(f"{instance.path}: cannot read the encapsulated frames ({first_line(error)})") from error
-    atol = _multiframe_atol(dataset, str(instance.path), tolerance)
+    atol = _multiframe_atol(dataset, str(instance.path))
     mask_native_frames(dataset)
     try:
         image = hd.Image.from_dataset(dataset, copy=False)
