@@ -51,7 +51,15 @@ from medserve.server.maps import MapModel
 log = logging.getLogger("medserve.server.store")
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-NAME_RULE = "use letters, digits, '.', '_' or '-' (at most 128), no path separators"
+NAME_RULE = ("start with a letter or digit, then use letters, digits, '.', '_' or '-' (at most 128 in all), no '..' "
+             "and no path separators")
+ARCHIVES = (".zip", ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tar.xz")
+# Loads (and MAP image checks) that run at once: a bundle whose load takes minutes (big weights on a network
+# share, slow imports) must not hold back a new version of another model. Each load is a model's memory.
+LOADERS = 4
+# The watcher spends at most a fifth of its time scanning: a store of many files (or on a slow share) is scanned
+# less often rather than taking a core.
+SCAN_SHARE = 0.2
 
 Fingerprint = tuple[tuple[str, int, int, int, int], ...]
 
@@ -263,6 +271,7 @@ class ModelEntry:
             "memory_bytes": self.memory if self.predictor is not None else 0,
             "error": self.error,
             "load_seconds": None if self.load_seconds is None else round(self.load_seconds, 3),
+            "reloading": self.reloading,  # a new version of its files is loading; this one serves until then
             "active": self.gate.active,
             "queued": self.gate.waiting,
         }
@@ -284,7 +293,7 @@ class ModelStore:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medserve-load")
+        self._background = ThreadPoolExecutor(max_workers=LOADERS, thread_name_prefix="medserve-load")
         self._ignored: set[str] = set()  # names in the store that cannot be model names, warned about once
         self.scanned = threading.Event()  # set after the first scan has settled
         # Readiness: the first scan has settled and every --preload model found then is loaded or failed, so a
@@ -307,10 +316,12 @@ class ModelStore:
     def _watch(self) -> None:
         first = time.monotonic()
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self.scan()
             except Exception:  # the watcher must survive anything a user does to the folder
                 log.exception("store scan failed")
+            took = time.monotonic() - started
             if not self.scanned.is_set() and (
                 all(e.state != "copying" for e in self.entries())
                 or time.monotonic() - first > self.config.stable_seconds * 5
@@ -318,7 +329,7 @@ class ModelStore:
                 self.scanned.set()
             if self.scanned.is_set() and not self.ready.is_set() and not self._preloading():
                 self.ready.set()
-            self._stop.wait(self.config.poll_interval)
+            self._stop.wait(max(self.config.poll_interval, took * (1 / SCAN_SHARE - 1)))
 
     def _preloading(self) -> bool:
         """Whether a model asked for by --preload settled and is still on its way to loaded (or failed). One still
@@ -343,19 +354,30 @@ class ModelStore:
             elif child.is_file() and name.endswith(MAP_SUFFIX):
                 model, models = name.removesuffix(MAP_SUFFIX), descriptors
             else:
+                if name.lower().endswith(ARCHIVES) and name not in self._ignored:
+                    self._ignored.add(name)
+                    log.warning("ignoring %s in the model store: archives are not unpacked; extract the bundle into "
+                                "a folder of its own (%s/NAME/configs, %s/NAME/models)", child, self.root, self.root)
                 continue
             if is_model_name(model):
                 models[model] = child
             elif name not in self._ignored:
                 self._ignored.add(name)
-                log.warning("ignoring %s in the model store: %r is not a model name (letters, digits, '.', '_' or "
-                            "'-', no '..')", child, model)
+                log.warning("ignoring %s in the model store: %r is not a model name (%s)", child, model, NAME_RULE)
         return {**descriptors, **found}  # a bundle folder wins over a descriptor of the same name
 
     def scan(self) -> None:
         """One pass of the watcher: new, changed and removed folders."""
         now = time.monotonic()
         folders = self._folders()
+        # Outside the lock: walking a bundle of many files, or on a slow share, takes seconds, and requests read
+        # the entries under it on the event loop (every route waited, /healthz too).
+        prints: dict[str, Fingerprint | Exception] = {}
+        for name, path in folders.items():
+            try:
+                prints[name] = fingerprint(path)
+            except Exception as error:  # one unreadable model must not keep the others from settling
+                prints[name] = error
         with self._lock:
             for name in list(self._entries):
                 if folders.get(name) != self._entries[name].path:  # gone, or now a bundle instead of a MAP
@@ -372,20 +394,21 @@ class ModelStore:
                     self._entries[name] = entry
                     log.info("bundle %s appeared; waiting for it to settle", name)
                 try:
-                    self._scan_entry(entry, now)
+                    self._scan_entry(entry, now, prints[name])
                 except Exception as error:  # one unreadable model must not keep the others from settling
                     log.exception("model %s cannot be read", name)
                     entry.state, entry.error, entry.predictor = "failed", self._reason(error), None
                     entry.loaded_fp = entry.settled_fp
                     self._changed()
 
-    def _scan_entry(self, entry: ModelEntry, now: float) -> None:
-        fp = fingerprint(entry.path)
+    def _scan_entry(self, entry: ModelEntry, now: float, fp: Fingerprint | Exception) -> None:
+        if isinstance(fp, Exception):
+            raise fp
         if fp != entry.seen_fp:
             entry.seen_fp = fp
             entry.stable_since = now
             if entry.predictor is None:  # nothing to keep serving: unusable until the files settle
-                entry.state = "copying"
+                entry.state, entry.error = "copying", None  # a failure of the files being replaced is past
             return
         if now - entry.stable_since < self.config.stable_seconds or (
                 fp == entry.settled_fp and entry.state != "copying"):

@@ -461,7 +461,8 @@ def test_infer_errors_of_the_upload_and_names_are_one_plain_line(make_server, tm
     assert "b'" not in last
     dots = _cli("infer", "..", str(study), "--url", server.url, env=env)
     assert dots.returncode == 2 and dots.stderr.strip().splitlines()[-1] == (
-        "error: invalid model name '..': use letters, digits, '.', '_' or '-' (at most 128), no path separators")
+        "error: invalid model name '..': start with a letter or digit, then use letters, digits, '.', '_' or '-' "
+        "(at most 128 in all), no '..' and no path separators")
 
 
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])

@@ -294,9 +294,13 @@ def test_unload_during_a_load_wins(make_server, held_loads: threading.Event, stu
     assert _models(server.url)["a"]["state"] == "loaded"
 
 
-def test_unload_cancels_a_queued_background_load(make_server, held_loads: threading.Event) -> None:
-    """An admin unload of a model whose eager load is still queued behind another model's load leaves it
+def test_unload_cancels_a_queued_background_load(make_server, held_loads: threading.Event,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An admin unload of a model whose eager load is still queued behind other models' loads leaves it
     unloaded: the queued load does not run at all."""
+    from medserve.server import store as store_module
+
+    monkeypatch.setattr(store_module, "LOADERS", 1)  # one load at a time: the second waits in the queue
     server = make_server(stable_seconds=0.3)
     add_bundle(server.config.store, "a")
     add_bundle(server.config.store, "b")
@@ -489,3 +493,137 @@ def test_a_replaced_bundle_lists_its_new_version_once_the_new_version_serves(mak
         time.sleep(0.1)
     assert httpx.get(server.url + "/v1/models/demo").json()["version"] == "9.9.9"
     assert httpx.get(server.url + "/v2/models/demo").json()["versions"] == ["9.9.9"]
+
+
+def _settle(store, passes: int = 2) -> None:
+    for _ in range(passes):  # the first pass sees the files, the second finds them unchanged
+        store.scan()
+
+
+def test_a_slow_scan_holds_back_no_request(base_config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bundle of 100,000 files took 1.3 s to walk, under the lock that requests read the models under on the
+    event loop: /readyz, /v1/models, inference and even /healthz (queued behind them) waited on every scan."""
+    from medserve.server import store as store_module
+
+    walking, release = threading.Event(), threading.Event()
+    real = store_module.fingerprint
+
+    def slow_fingerprint(path: Path) -> object:
+        if path.name == "big" and not walking.is_set():
+            walking.set()
+            assert release.wait(30)
+        return real(path)
+
+    add_bundle(Path(base_config.store), "big")
+    store = store_module.ModelStore(replace(base_config, stable_seconds=0.0, max_models=0))
+    monkeypatch.setattr(store_module, "fingerprint", slow_fingerprint)
+    scanning = threading.Thread(target=store.scan)
+    scanning.start()
+    try:
+        assert walking.wait(10)
+        reader = threading.Thread(target=store.entries)
+        started = time.monotonic()
+        reader.start()
+        reader.join(timeout=2)
+        assert not reader.is_alive() and time.monotonic() - started < 0.5, "the models' listing waited for the scan"
+    finally:
+        release.set()
+        scanning.join(timeout=30)
+        store.stop()
+    assert [entry.name for entry in store.entries()] == ["big"]
+
+
+def test_the_watcher_takes_at_most_a_fifth_of_its_time_scanning(base_config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose walk takes longer than the poll interval was walked again right away, for ever: half a core
+    for a bundle of 100,000 files, with the server idle."""
+    from medserve.server import store as store_module
+
+    walks: list[float] = []
+    real = store_module.fingerprint
+
+    def slow_fingerprint(path: Path) -> object:
+        walks.append(time.monotonic())
+        time.sleep(0.5)
+        return real(path)
+
+    add_bundle(Path(base_config.store), "big")
+    monkeypatch.setattr(store_module, "fingerprint", slow_fingerprint)
+    store = store_module.ModelStore(replace(base_config, poll_interval=0.1, max_models=0))
+    store.start()
+    try:
+        deadline = time.monotonic() + 20
+        while len(walks) < 3:
+            assert time.monotonic() < deadline, walks
+            time.sleep(0.05)
+    finally:
+        store.stop()
+    gaps = [later - earlier for earlier, later in zip(walks, walks[1:])]
+    assert min(gaps) >= 0.5 / store_module.SCAN_SHARE * 0.9, gaps
+
+
+def test_a_slow_load_holds_back_no_other_model(base_config, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads ran one at a time: a new version of one model waited for another bundle's load (40 s of imports in
+    the probe), serving the old weights meanwhile without a word."""
+    from medserve.server import store as store_module
+
+    release = threading.Event()
+    real = store_module._load_bundle
+
+    def loader(path: Path, device: str | None) -> object:
+        if path.name == "slow":
+            assert release.wait(60)
+        return real(path, device)
+
+    monkeypatch.setattr(store_module, "_load_bundle", loader)
+    root = Path(base_config.store)
+    store = store_module.ModelStore(replace(base_config, stable_seconds=0.0))
+    try:
+        add_bundle(root, "slow")
+        _settle(store)
+        assert store.entry("slow").state == "loading"
+        add_bundle(root, "fast")
+        _settle(store)
+        store.wait_until("fast", ("loaded",), 30)
+        assert store.entry("slow").state == "loading"
+        assert store.entry("fast").summary()["reloading"] is False
+    finally:
+        release.set()
+        store.stop()
+
+
+def test_archives_in_the_store_are_named_in_the_log_once(base_config, caplog: pytest.LogCaptureFixture) -> None:
+    """A zipped bundle dropped into the store was ignored without a word: its model was just not there."""
+    from medserve.server.store import ModelStore
+
+    root = Path(base_config.store)
+    (root / "zipped.zip").write_bytes(b"PK\x05\x06" + bytes(18))
+    (root / "tarred.tar.gz").write_bytes(b"\x1f\x8b")
+    (root / "notes.txt").write_text("not a bundle, not an archive")
+    store = ModelStore(replace(base_config, stable_seconds=0.0, max_models=0))
+    try:
+        with caplog.at_level("WARNING", logger="medserve.server.store"):
+            _settle(store, 3)
+    finally:
+        store.stop()
+    warned = [r.getMessage() for r in caplog.records if r.name == "medserve.server.store"]
+    assert len(warned) == 2 and all("archives are not unpacked; extract the bundle into a folder" in m
+                                    for m in warned), warned
+    assert {m.split()[1].rsplit("/", 1)[-1] for m in warned} == {"zipped.zip", "tarred.tar.gz"}
+    assert store.entries() == []
+
+
+def test_a_failed_bundle_being_copied_again_shows_no_old_error(base_config) -> None:
+    """While new files were copied over a failed bundle, the listing said `copying` beside the old failure."""
+    from medserve.server.store import ModelStore
+
+    weights = add_bundle(Path(base_config.store), "b") / "models" / "model.pt"
+    weights.write_bytes(b"")
+    store = ModelStore(replace(base_config, stable_seconds=0.0, max_models=0))
+    try:
+        _settle(store)
+        assert store.entry("b").state == "failed"
+        weights.write_bytes(b"half a copy")
+        store.scan()
+        assert (store.entry("b").state, store.entry("b").error) == ("copying", None)
+    finally:
+        store.stop()
