@@ -24,14 +24,12 @@ from medserve.dicom.select import first_selected, select_series
 from medserve.dicom.volume import LoadedSeries, load_series, multiframe_geometry
 from medserve.errors import one_line
 from medserve.nifti_input import read_nifti
+from medserve.results import NIFTI_NAME, SEG_NAME
 from medserve.writers.files import writable_folder
 from medserve.writers.nifti import write_nifti
 from medserve.writers.seg import Algorithm, build_seg, write_seg
 
 log = logging.getLogger("medserve.pipeline")
-
-SEG_NAME = "seg.dcm"
-NIFTI_NAME = "labels.nii.gz"
 
 
 @dataclass

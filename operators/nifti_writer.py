@@ -7,7 +7,7 @@ from pathlib import Path
 from monai.deploy.core import ConditionType, Fragment, OperatorSpec
 
 from medserve.bundle.predictor import as_volume
-from medserve.pipeline import NIFTI_NAME
+from medserve.results import NIFTI_NAME
 from medserve.writers.nifti import write_nifti
 from operators.arguments import folder_argument
 from operators.failures import RunEndingOperator, records_output, reports_failures

@@ -11,7 +11,8 @@ from pydicom.dataset import Dataset
 
 from medserve.bundle.predictor import BundlePredictor
 from medserve.dicom.volume import LoadedSeries, datasets_in_slice_order
-from medserve.pipeline import SEG_NAME, segmentation_of
+from medserve.pipeline import segmentation_of
+from medserve.results import SEG_NAME
 from medserve.writers.labels import label_array
 from medserve.writers.seg import write_seg
 from operators.arguments import folder_argument, predictor_argument

@@ -31,7 +31,7 @@ from monai.deploy.conditions import CountCondition  # noqa: E402
 from medserve.bundle.predictor import BundlePredictor  # noqa: E402
 from medserve.errors import BundleError, OutputError, one_line  # noqa: E402
 from medserve.logs import configure_logging, sdk_log_level  # noqa: E402
-from medserve.pipeline import NIFTI_NAME, SEG_NAME  # noqa: E402
+from medserve.results import NIFTI_NAME, SEG_NAME  # noqa: E402
 from medserve.writers.files import (FileIdentity, partial_path, remove_published, stop_publishing,  # noqa: E402
                                     track_published, writable_folder)
 from operators import (BundleInferenceOperator, DicomLoaderOperator, NiftiWriterOperator,  # noqa: E402

@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from medserve.errors import ConfigurationError
 from medserve.server.errors import ApiError
+from medserve.server.services import services
 
 SCOPES = ("infer", "admin")
 
@@ -87,6 +88,6 @@ def require(scope: str):  # noqa: ANN201 - a FastAPI dependency factory
     """FastAPI dependency: `dependencies=[Depends(require("admin"))]`."""
 
     async def dependency(request: Request) -> None:  # async: a sync dependency would take a pool thread
-        request.app.state.auth.check(request, scope)
+        services(request).auth.check(request, scope)
 
     return dependency

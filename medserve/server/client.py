@@ -21,11 +21,11 @@ from urllib.parse import quote
 import httpx
 
 from medserve.errors import DicomInputError, MedserveError
+from medserve.server.states import FINAL_STATES
 
 log = logging.getLogger("medserve.server.client")
 
 CHUNK = 8 * 1024 * 1024
-FINAL = ("succeeded", "failed", "cancelled")
 PARTIAL = ".partial"
 UPLOADING = ".uploading"  # a link to a cached zip that a run is uploading from
 UNREACHABLE_PATIENCE = 60.0  # seconds a request is tried again while the server cannot answer it (see `_Patience`)
@@ -408,7 +408,7 @@ class Client:
             job = self.get(f"/v1/jobs/{quote(job_id, safe='')}")  # waits out a restarting server (`_send`)
             if on_update is not None:
                 on_update(job)
-            if job["state"] in FINAL:
+            if job["state"] in FINAL_STATES:
                 return job
             if time.monotonic() > deadline:
                 raise ClientError(f"job {job_id} still {job['state']} after {timeout} s")

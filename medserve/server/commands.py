@@ -15,7 +15,9 @@ from urllib.parse import quote
 
 from medserve.logs import announce
 from medserve.net import http_url, is_loopback
+from medserve.results import RESULT_FILES
 from medserve.server.config import ServerConfig
+from medserve.server.states import JOB_STATES
 from medserve.stopping import terminable
 
 log = logging.getLogger("medserve.server.commands")
@@ -116,7 +118,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     infer.add_argument("--series", help="Series Instance UID (with --study)")
     infer.add_argument("--dicomweb", help="DICOMweb URL of the store holding --study (must be the server's)")
     infer.add_argument("--writeback", action="store_true", help="STOW-RS the SEG back to the DICOM store")
-    infer.add_argument("--format", choices=("seg", "nifti"), default=None, help="result to download")
+    infer.add_argument("--format", choices=tuple(RESULT_FILES), default=None, help="result to download")
     _client_args(infer)
     infer.set_defaults(handler=terminable(infer_command))
 
@@ -125,7 +127,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     models.set_defaults(handler=terminable(models_command))
 
     jobs = subparsers.add_parser("jobs", help="list recent jobs")
-    jobs.add_argument("--state", choices=("queued", "running", "succeeded", "failed", "cancelled"))
+    jobs.add_argument("--state", choices=JOB_STATES)
     jobs.add_argument("--limit", type=int, default=50)
     _client_args(jobs)
     jobs.set_defaults(handler=terminable(jobs_command))
@@ -159,8 +161,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def serve_command(args: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
 
-    from medserve.server.app import create_app
+    from medserve.server.app import Server, create_app
     from medserve.server.auth import load_tokens
     from medserve.server.dicomweb import url_problem
     from medserve.server.lock import lock_data_dir
@@ -190,9 +193,12 @@ def serve_command(args: argparse.Namespace) -> int:
              store=str(config.store), data_dir=str(config.data_dir))
     # log_config=None: uvicorn's records go through our handler (one JSON object per line with
     # MEDSERVE_LOG_FORMAT=json) instead of the plain-text handlers uvicorn would install.
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", log_config=None,
-                timeout_graceful_shutdown=5)
-    return 0
+    server = Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", log_config=None,
+                                   timeout_graceful_shutdown=5), app.state.services.uploads)
+    # As uvicorn.run: after a clean stop on Ctrl-C uvicorn raises SIGINT again, for Python's default handler.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else STARTUP_FAILURE
 
 
 def _check_can_listen(host: str, port: int) -> None:
@@ -222,7 +228,7 @@ def infer_command(args: argparse.Namespace) -> int:
     if args.study_dir is not None and not args.study_dir.is_dir():
         raise ClientError(f"{args.study_dir} {'is not a folder' if args.study_dir.exists() else 'does not exist'}; "
                           "expected the folder of the study's DICOM files")
-    target = args.output / ("labels.nii.gz" if args.format == "nifti" else "seg.dcm")
+    target = args.output / RESULT_FILES[args.format or "seg"]
     created = _writable_output(args.output, target)  # before the upload and the job, which take minutes
     try:
         return _infer(args, client, console, target)
@@ -260,7 +266,7 @@ def _infer(args: argparse.Namespace, client: Any, console: Any, target: Path) ->
         if job["state"] != "succeeded":
             raise ClientError(f"job {job['id']} {job['state']}: {job.get('error')}")
         fmt = args.format or ("seg" if "seg" in job["outputs"] else "nifti")
-        target = target.with_name("seg.dcm" if fmt == "seg" else "labels.nii.gz")
+        target = target.with_name(RESULT_FILES[fmt])
         try:
             client.download(job["id"], target, fmt)
             break

@@ -7,6 +7,7 @@ import errno
 import logging
 import re
 import sqlite3
+from collections.abc import Sequence
 from http import HTTPStatus
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Match
 
 from medserve.errors import (BundleError, DicomInputError, InferenceError, InferenceOutOfMemory, MedserveError,
                              NiftiInputError, OutputError, SelectionError, VolumeError)
@@ -113,12 +115,19 @@ async def validation_error_handler(request: Request, exc: Exception) -> JSONResp
     return _shaped(request, ApiError(400, "bad_parameter", problems))
 
 
-async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    """Starlette's own errors (unknown route 404, wrong method 405), in our shape."""
+async def http_error_handler(request: Request, exc: Exception, routes: Sequence[BaseRoute] = ()) -> JSONResponse:
+    """Starlette's own errors (unknown route 404, wrong method 405), in our shape. A 405's Allow lists what every
+    one of `routes` at the path takes: routing names only the first route it matched (an upload's OPTIONS, of
+    its OPTIONS, HEAD, GET, PATCH and DELETE routes)."""
     assert isinstance(exc, HTTPException)
     code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
     message = f"{exc.detail}: {request.method} {request.url.path}"
-    return _shaped(request, ApiError(exc.status_code, code, message, dict(exc.headers or {})))
+    headers = dict(exc.headers or {})
+    methods = {method for route in routes if route.matches(request.scope)[0] is not Match.NONE
+               for method in getattr(route, "methods", None) or ()} if exc.status_code == 405 else set()
+    if methods:
+        headers["Allow"] = ", ".join(sorted(methods))
+    return _shaped(request, ApiError(exc.status_code, code, message, headers))
 
 
 def disk_full(error: OSError) -> bool:

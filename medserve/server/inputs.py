@@ -28,6 +28,7 @@ from medserve.dicom.index import looks_like_dicom
 from medserve.net import without_credentials
 from medserve.server.errors import ApiError, disk_full, header_int, insufficient_storage, shown
 from medserve.server.multipart import FilePart, MultipartReader, body_charset
+from medserve.server.services import services
 from medserve.server.streams import body_chunks, stalled
 
 log = logging.getLogger("medserve.server.inputs")
@@ -298,9 +299,16 @@ def limited(request: Request, max_bytes: int) -> Request:
     return Request(request.scope, receive)
 
 
+async def remove_folder(folder: Path) -> None:
+    """A request's folder removed off the event loop (100,000 parts took 0.9 s, every other request waiting),
+    shielded: it runs on the way out of a cancelled request too."""
+    with anyio.CancelScope(shield=True):
+        await anyio.to_thread.run_sync(shutil.rmtree, folder, True)
+
+
 async def _save_body(request: Request, target: Path, max_bytes: int) -> None:
     size = 0
-    idle_seconds = request.app.state.config.upload_idle_seconds
+    idle_seconds = services(request).config.upload_idle_seconds
     try:
         with open(target, "wb") as out:
             async with contextlib.aclosing(body_chunks(limited(request, max_bytes), idle_seconds)) as chunks:
@@ -363,7 +371,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     _check_encoding(request)
     dest.mkdir(parents=True, exist_ok=True)
     content_type = media_type(request)
-    uploads = request.app.state.uploads
+    uploads = services(request).uploads
     if content_type == "application/json":
         body = await input_json(request)
         options = request_options(request, body.items())
@@ -383,7 +391,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
             series = body.get("series")
             if series is not None:
                 _check_uid(body, "series", "Series")
-            configured = request.app.state.config.dicomweb_url
+            configured = services(request).config.dicomweb_url
             if not configured:
                 raise ApiError(400, "no_dicomweb", "this server has no DICOMweb store configured (--dicomweb)")
             named = body.get("store")
@@ -414,7 +422,7 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
 
         reader = MultipartReader(parameters[b"boundary"], body_charset(parameters), raw, _part_name, on_field,
                                  MAX_FORM_FILES)
-        idle_seconds = request.app.state.config.upload_idle_seconds
+        idle_seconds = services(request).config.upload_idle_seconds
         try:
             parts = await reader.read(body_chunks(limited(request, max_bytes), idle_seconds))
         except TimeoutError as error:

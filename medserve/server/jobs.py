@@ -36,6 +36,7 @@ from medserve.server.dicomweb import DicomWebClient, DicomWebError, with_retries
 from medserve.server.errors import ApiError, client_message, for_want_of_room, shown
 from medserve.server.inputs import InputSpec
 from medserve.server.runner import execute, pull
+from medserve.server.states import FINAL_STATES
 from medserve.server.store import ModelStore
 
 if TYPE_CHECKING:  # medserve.pipeline imports torch
@@ -43,8 +44,6 @@ if TYPE_CHECKING:  # medserve.pipeline imports torch
 
 log = logging.getLogger("medserve.server.jobs")
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-FINAL = ("succeeded", "failed", "cancelled")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -205,9 +204,9 @@ class JobQueue:
         cutoff = (time.time() if now is None else now) - retention
         with self._lock:  # a job cancelled while it ran may still have its worker, which writes into its folder
             held = sorted(self._held)
-        states, skipped = ", ".join("?" * len(FINAL)), ", ".join("?" * len(held))
+        states, skipped = ", ".join("?" * len(FINAL_STATES)), ", ".join("?" * len(held))
         rows = self._exec(f"DELETE FROM jobs WHERE state IN ({states}) AND finished < ? AND id NOT IN ({skipped}) "
-                          "RETURNING id", (*FINAL, cutoff, *held))
+                          "RETURNING id", (*FINAL_STATES, cutoff, *held))
         for row in rows:
             shutil.rmtree(self.job_dir(row["id"]), ignore_errors=True)
         return len(rows)
@@ -299,7 +298,7 @@ class JobQueue:
             return None
         if row["writeback_result"]:
             return json.loads(row["writeback_result"])
-        state = "not_attempted" if row["state"] in FINAL else "pending"
+        state = "not_attempted" if row["state"] in FINAL_STATES else "pending"
         return {"target": without_credentials(self.config.dicomweb_url or ""), "state": state, "error": None}
 
     def result_path(self, job_id: str, choose: Callable[[list[str]], str]) -> tuple[Path, str]:
@@ -308,7 +307,7 @@ class JobQueue:
         row = self._row(job_id)
         if row["state"] != "succeeded":
             detail = f": {row['error']}" if row["error"] else ""
-            raise ApiError(409, "job_not_finished" if row["state"] not in FINAL else "job_has_no_result",
+            raise ApiError(409, "job_not_finished" if row["state"] not in FINAL_STATES else "job_has_no_result",
                            f"job {job_id} is {row['state']}{detail}")
         outputs: dict[str, str] = json.loads(row["outputs"] or "{}")
         asked = row["result_format"]
@@ -331,7 +330,7 @@ class JobQueue:
             if row is None:
                 raise _unknown_job(job_id)
             was = row["state"]
-            if was in FINAL:
+            if was in FINAL_STATES:
                 raise ApiError(409, "job_finished", f"job {job_id} is already {was}")
             # outputs=NULL: a job cancelled after its result was saved (during write-back) loses the files, and
             # with them what they were of (segmented).

@@ -78,7 +78,7 @@ class MapModel:
     def run(self, spec: InputSpec, out_dir: Path) -> StudyResult:
         """One container over `spec`'s study folder; a failure raises ApiError and leaves no result behind
         that callers would mistake for one (they remove `out_dir` on any error)."""
-        from medserve.pipeline import NIFTI_NAME, SEG_NAME
+        from medserve.results import NIFTI_NAME, SEG_NAME
 
         if spec.kind != "dicom" or spec.path is None:
             raise ApiError(415, "unsupported_input", f"MAP model {self.name!r} takes a DICOM study, not {spec.kind}")

@@ -11,6 +11,7 @@ from prometheus_client.registry import Collector
 
 from medserve.errors import MedserveError
 from medserve.server.errors import ApiError, from_core
+from medserve.server.states import JOB_STATES
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
@@ -24,7 +25,7 @@ class _LiveCollector(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily]:
         jobs = GaugeMetricFamily("medserve_jobs", "Jobs by state", labels=["state"])
         counts = self.job_counts()
-        for state in ("queued", "running", "succeeded", "failed", "cancelled"):
+        for state in JOB_STATES:
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs
         import torch

@@ -24,6 +24,7 @@ from medserve.server.auth import require
 from medserve.errors import MedserveError
 from medserve.server.errors import ApiError, header_int
 from medserve.server.inputs import limited
+from medserve.server.services import services
 
 log = logging.getLogger("medserve.server.oip")
 
@@ -62,14 +63,14 @@ async def live() -> dict[str, bool]:
 
 @router.get("/health/ready")
 async def ready(request: Request) -> JSONResponse:
-    ok = request.app.state.store.ready.is_set()
+    ok = services(request).store.ready.is_set()
     return JSONResponse({"ready": ok}, 200 if ok else 503)
 
 
 def _versioned_entry(request: Request, name: str, version: str | None) -> Any:
     """The model's store entry; 404 when a version is asked for that is not the bundle's (metadata.json), 400
     for a MAP: it runs whole studies in a container and has no tensor entry point (nor tensor metadata)."""
-    entry = request.app.state.store.entry(name)
+    entry = services(request).store.entry(name)
     if version is not None and version != entry.version:
         have = f"version {entry.version}" if entry.version else "no version"
         raise ApiError(404, "unknown_version", f"model {name!r} has {have}, not {version!r}")
@@ -238,12 +239,12 @@ def _binary_output(req: dict[str, Any]) -> bool:
 @router.post("/models/{name}/infer", dependencies=[Depends(require("infer"))])
 @router.post("/models/{name}/versions/{version}/infer", dependencies=[Depends(require("infer"))])
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
-    app_state = request.app.state
+    shared = services(request)
     start = time.monotonic()
-    with app_state.metrics.counted("v2") as count:
+    with shared.metrics.counted("v2") as count:
         _versioned_entry(request, name, version)
         count.model = name
-        body = await limited(request, app_state.config.max_upload_bytes).body()
+        body = await limited(request, shared.config.max_upload_bytes).body()
         req, binary = _parse_request(request.headers, body)
         array = _tensor(req["inputs"][0], binary)
         want_binary = _binary_output(req)
@@ -251,7 +252,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         def run() -> np.ndarray:
             import torch
 
-            predictor = app_state.store.predictor(name)
+            predictor = shared.store.predictor(name)
             channels = _in_channels(predictor.network)
             if channels > 0 and array.shape[1] != channels:
                 raise ApiError(400, "bad_request", f"input shape {list(array.shape)} has {array.shape[1]} "
@@ -261,17 +262,17 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
             return out.detach().to("cpu", torch.float32).numpy()
 
         try:
-            async with app_state.store.admit(name) as (queued, limiter):
-                app_state.metrics.queue.labels(name).observe(queued)
+            async with shared.store.admit(name) as (queued, limiter):
+                shared.metrics.queue.labels(name).observe(queued)
                 output = await anyio.to_thread.run_sync(run, limiter=limiter)
         except (ApiError, MedserveError):  # answered by the app's handlers, in the OIP shape under /v2
             raise
         except Exception as error:
             log.exception("v2 inference failed")
             raise ApiError(500, "inference_failed", f"{type(error).__name__}: {error}") from error
-        response = _response(name, app_state.store.entry(name).version, req, output, want_binary)
+        response = _response(name, shared.store.entry(name).version, req, output, want_binary)
         count.status = "200"
-    app_state.metrics.latency.labels(name, "v2").observe(time.monotonic() - start)
+    shared.metrics.latency.labels(name, "v2").observe(time.monotonic() - start)
     return response
 
 

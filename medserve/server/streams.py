@@ -14,14 +14,17 @@ from medserve.server.errors import ApiError
 
 class Interrupt:
     """Lets another request end a body being read: a tus resume taking over an upload whose PATCH went quiet
-    (a client that changed networks resumes at once; waiting for the idle timeout, it was refused for a minute)."""
+    (a client that changed networks resumes at once; waiting for the idle timeout, it was refused for a minute),
+    or the server stopping. `reason` says which asked."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.reason = ""
         self._deadline: asyncio.Timeout | None = None
 
-    def request(self) -> None:
+    def request(self, reason: str) -> None:
         self.requested = True
+        self.reason = self.reason or reason  # the first ask is the one the body ends for
         if self._deadline is not None and not self._deadline.expired():  # one expiring now may not be changed
             self._deadline.reschedule(asyncio.get_running_loop().time())
 

@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 
 from medserve.server.auth import require
 from medserve.server.errors import ApiError, disk_full, header_int, insufficient_storage, shown
+from medserve.server.services import services
 from medserve.server.streams import Interrupt, body_chunks
 
 log = logging.getLogger("medserve.server.uploads")
@@ -46,6 +47,8 @@ ID_RE = re.compile(r"[0-9a-f]{32}")
 WRITE_BATCH = 4 * 1024 * 1024
 TAKEOVER_SECONDS = 10.0  # how long a request waits for the PATCH it asked to end (it ends at its next chunk)
 TAKEOVER_POLL_SECONDS = 0.5
+TAKEN_OVER, SERVER_STOPPING = "taken over", "server stopping"  # why a PATCH's body was ended (Interrupt.reason)
+RETRY_AFTER_STOP_SECONDS = 5
 
 
 @dataclass
@@ -98,6 +101,7 @@ class UploadStore:
         self.idle_seconds = idle_seconds
         self._locks: dict[str, asyncio.Lock] = {}
         self._writers: dict[str, Interrupt] = {}  # the PATCH writing an upload, for a later request to end
+        self._stopping = False
         for marker in self.root.glob("*.pending"):
             _drop_unverified(marker)
 
@@ -209,7 +213,7 @@ class UploadStore:
         given_up = loop.time() + TAKEOVER_SECONDS
         while True:  # the holder may change while this waits (another request took it over first): ask each one
             if upload_id in self._writers:
-                self._writers[upload_id].request()
+                self._writers[upload_id].request(TAKEN_OVER)
             try:
                 async with asyncio.timeout(min(TAKEOVER_POLL_SECONDS, max(0.0, given_up - loop.time()))):
                     await lock.acquire()
@@ -219,6 +223,8 @@ class UploadStore:
                     raise ApiError(423, "upload_locked", f"another request is writing this upload and did not stop "
                                    f"within {TAKEOVER_SECONDS:g} s") from None
         interrupt = self._writers[upload_id] = Interrupt()
+        if self._stopping:  # a resume that waited for the lock while the server began to stop
+            interrupt.request(SERVER_STOPPING)
         try:
             yield interrupt
         finally:
@@ -227,6 +233,14 @@ class UploadStore:
             lock.release()
             if not lock.locked() and not self._paths(upload_id)[1].exists():  # deleted: forget its lock
                 self._locks.pop(upload_id, None)
+
+    def stop_writers(self) -> None:
+        """The server is stopping: every PATCH in progress, or that takes an upload from now on, stops reading its
+        body and answers at once (503, with the offset it kept), rather than being cut off when the grace period
+        ends."""
+        self._stopping = True
+        for interrupt in list(self._writers.values()):
+            interrupt.request(SERVER_STOPPING)
 
     def busy(self, upload_id: str) -> bool:
         """A PATCH is writing the upload (expiry waits for it to end)."""
@@ -245,7 +259,7 @@ def _check_version(request: Request) -> None:
 
 
 def _uploads(request: Request) -> UploadStore:
-    return request.app.state.uploads
+    return services(request).uploads
 
 
 PREFIX = "/v1/uploads"
@@ -389,17 +403,21 @@ async def patch(request: Request, upload_id: str) -> Response:
         if body.ended == "stalled":
             raise ApiError(408, "upload_stalled", f"no body bytes for {store.idle_seconds:g} s; {kept}; resume "
                            f"from Upload-Offset {new_offset}", {**headers, "Connection": "close"})
-        if body.ended == "taken over":
+        if body.ended == TAKEN_OVER:
             raise ApiError(409, "upload_interrupted", f"another request took this upload over; {kept}; resume "
                            f"from Upload-Offset {new_offset}", {**headers, "Connection": "close"})
+        if body.ended == SERVER_STOPPING:
+            raise ApiError(503, "server_stopping", f"the server is stopping; {kept}; resume from Upload-Offset "
+                           f"{new_offset} once it is back", {**headers, "Connection": "close",
+                                                             "Retry-After": str(RETRY_AFTER_STOP_SECONDS)})
         return Response(status_code=204, headers=_tus_headers(**headers))
 
 
 class Body:
     """A PATCH's body as it arrives, to be written at the upload's `offset` without going past its declared
     `length`. `ended` says how it ended: "complete", "disconnected" (the client went away), "stalled" (no bytes
-    for `idle_seconds`, see `medserve.server.streams`) or "taken over" (another request asked it to end, see
-    `UploadStore.writing`)."""
+    for `idle_seconds`, see `medserve.server.streams`), "taken over" (another request asked it to end, see
+    `UploadStore.writing`) or "server stopping" (`UploadStore.stop_writers`)."""
 
     def __init__(self, request: Request, offset: int, length: int, idle_seconds: float,
                  interrupt: Interrupt | None = None) -> None:
@@ -418,7 +436,8 @@ class Body:
         except ClientDisconnect:
             self.ended = "disconnected"
         except TimeoutError:
-            self.ended = "taken over" if self.interrupt is not None and self.interrupt.requested else "stalled"
+            self.ended = self.interrupt.reason if self.interrupt is not None and self.interrupt.requested else \
+                "stalled"
 
 
 async def _receive(body: Body, path: Path) -> int:

@@ -26,7 +26,7 @@ import pydicom
 import pytest
 import uvicorn
 
-from medserve.server.app import create_app
+from medserve.server.app import Server, create_app
 from medserve.server.config import ServerConfig
 from tests.conftest import make_threshold_bundle
 
@@ -58,14 +58,14 @@ class ServerThread:
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.app = create_app(config)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=config.port,
-                                                    log_level="warning", lifespan="on"))
+        self.server = Server(uvicorn.Config(self.app, host="127.0.0.1", port=config.port, log_level="warning",
+                                            lifespan="on"), self.app.state.services.uploads)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{config.port}"
 
     @property
     def store(self):  # noqa: ANN201
-        return self.app.state.store
+        return self.app.state.services.store
 
     def __enter__(self) -> ServerThread:
         self.thread.start()

@@ -24,7 +24,7 @@ import pydicom
 import pytest
 
 from medserve.server.dicomweb import DicomWebClient, DicomWebError, split_multipart
-from medserve.server.jobs import FINAL
+from medserve.server.states import FINAL_STATES
 from tests.server.conftest import (REPO, FakeDicomWeb, add_bundle, bundle_snapshot, multipart_files, small_study,
                                    with_thr)
 
@@ -233,7 +233,7 @@ def test_dicomweb_credentials_in_the_url_are_never_shown(make_server, tmp_path: 
         wrong = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3", "store": "http://other/"})
         same = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3", "store": store.url}, timeout=60)
         deadline = time.monotonic() + 60
-        while (job := httpx.get(f"{server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL:
+        while (job := httpx.get(f"{server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL_STATES:
             assert time.monotonic() < deadline, job
             time.sleep(0.1)
     down = httpx.post(server.url + "/v1/models/thr/infer", json={"study": "1.2.3"}, timeout=60)
@@ -481,7 +481,7 @@ def test_an_input_of_two_studies_segments_the_first_and_names_the_other(thr_serv
     job = httpx.post(thr_server.url + "/v1/jobs?model=thr", content=buffer.getvalue(),
                      headers={"Content-Type": "application/zip"}).json()
     deadline = time.monotonic() + 60
-    while (job := httpx.get(f"{thr_server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL:
+    while (job := httpx.get(f"{thr_server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL_STATES:
         assert time.monotonic() < deadline, job
         time.sleep(0.1)
     assert job["state"] == "succeeded", job
@@ -561,7 +561,7 @@ def test_names_and_ids_are_checked_whole_and_echoed_short(thr_server) -> None:
     assert r.status_code == 400 and r.json()["error"] == "bad_model_name", r.text
     r = httpx.post(url + "/v1/models/" + "a" * 10_000 + "/infer", json={"upload": "x"})
     assert r.status_code == 400 and r.json()["error"] == "bad_model_name", r.text
-    assert r.json()["message"].startswith("invalid model name '" + "a" * 99 + "... (10002 characters): use"), r.text
+    assert r.json()["message"].startswith(f"invalid model name '{'a' * 99}... (10002 characters): start with"), r.text
     r = httpx.get(url + "/v1/jobs/" + "b" * 10_000)
     assert r.status_code == 404 and r.json()["message"] == "no job '" + "b" * 99 + "... (10002 characters)", r.text
     r = httpx.post(url + "/v1/models/thr/infer", json={"upload": "0" * 32 + "\n"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import io
 import os
@@ -25,8 +26,8 @@ import pytest
 
 from medserve.errors import ConfigurationError
 from medserve.server.app import create_app
-from medserve.server.jobs import FINAL
 from medserve.server.lock import DataDirInUse, lock_data_dir
+from medserve.server.states import FINAL_STATES
 from tests.conftest import make_threshold_bundle, run_unprivileged
 from tests.server.conftest import (REPO, FakeDicomWeb, ServerProcess, add_bundle, free_port, multipart_files,
                                    small_study, with_thr)
@@ -594,7 +595,7 @@ def test_a_writeback_being_retried_says_so_in_the_job_stage(make_server, study: 
         store.stow_answer = (503, {})
         server = with_thr(make_server(dicomweb_url=store.url, dicomweb_retries=2, dicomweb_backoff=0.5))
         job = httpx.post(server.url + "/v1/jobs?model=thr", json={"study": "1.2.3", "writeback": True}).json()
-        while (seen := httpx.get(f"{server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL:
+        while (seen := httpx.get(f"{server.url}/v1/jobs/{job['id']}").json())["state"] not in FINAL_STATES:
             stages.append(seen["stage"])
             time.sleep(0.05)
     assert "storing the SEG back failed (dicomweb_store_failed); retry 1" in stages, stages
@@ -746,7 +747,7 @@ def test_a_clean_stop_records_jobs_that_finish_in_the_grace_period_and_requeues_
     with pytest.raises(DataDirInUse):  # the slow job's worker may still write into it: nobody takes it yet
         create_app(first.config)
     release.set()
-    for worker in first.app.state.jobs._workers:  # the slow job's worker: it can record nothing any more
+    for worker in first.app.state.services.jobs._workers:  # the slow job's worker: it can record nothing any more
         worker.join(timeout=60)
     db = sqlite3.connect(first.config.db_path)
     rows = dict(db.execute("SELECT id, state || ' ' || attempts FROM jobs").fetchall())
@@ -1017,6 +1018,25 @@ def test_a_job_whose_result_finds_the_disk_full_waits_for_room_without_using_an_
         _gone(server.config.jobs_dir / job["id"])
 
 
+def test_a_job_cancelled_as_its_result_finds_the_disk_full_leaves_no_input(
+        make_server, study: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel that lands between the end of inference and the full disk: the job must not go back to the queue
+    (it is cancelled), and its input, which only its worker drops, must not stay on the full disk."""
+    from medserve.server import jobs as jobs_module
+
+    def cancelled_then_full(queue: jobs_module.JobQueue, job_id: str, *args: object) -> dict[str, str]:
+        queue.cancel(job_id)
+        raise OSError(errno.ENOSPC, "No space left on device", "result.tmp/seg.dcm")
+
+    monkeypatch.setattr(jobs_module.JobQueue, "_infer", cancelled_then_full)
+    server = with_thr(make_server())
+    job = httpx.post(server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
+    assert _wait(server.url, job["id"], ("cancelled",))["attempts"] == 1
+    _gone(server.config.jobs_dir / job["id"])
+    time.sleep(1.5)  # the worker's wait after a full disk: it must not claim the job again
+    assert httpx.get(f"{server.url}/v1/jobs/{job['id']}").json()["state"] == "cancelled"
+
+
 def test_a_jobs_format_is_the_format_its_result_is_served_in(thr_server, study: Path, tmp_path: Path) -> None:
     """`format=nifti` on a job was checked and then dropped: the result came back as the SEG."""
     url = thr_server.url
@@ -1049,7 +1069,7 @@ def test_a_jobs_format_is_the_format_its_result_is_served_in(thr_server, study: 
 def test_finished_jobs_past_their_retention_are_removed_with_their_results(make_server, study: Path) -> None:
     """Without it the data dir only grew: a finished job cannot be deleted (DELETE cancels)."""
     server = with_thr(make_server(job_retention_seconds=3600.0))
-    url, jobs = server.url, server.app.state.jobs
+    url, jobs = server.url, server.app.state.services.jobs
     done = httpx.post(url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
     assert _wait(url, done["id"], ("succeeded", "failed"))["state"] == "succeeded"
     with server.store.use("thr", lambda: None):  # the next one waits, running, for the busy model
@@ -1065,7 +1085,7 @@ def test_finished_jobs_past_their_retention_are_removed_with_their_results(make_
 def test_without_a_retention_finished_jobs_are_kept(thr_server, study: Path) -> None:
     job = httpx.post(thr_server.url + "/v1/jobs?model=thr", files=multipart_files(study)).json()
     assert _wait(thr_server.url, job["id"], ("succeeded", "failed"))["state"] == "succeeded"
-    assert thr_server.app.state.jobs.sweep_finished(now=time.time() + 10 * 365 * 86400) == 0
+    assert thr_server.app.state.services.jobs.sweep_finished(now=time.time() + 10 * 365 * 86400) == 0
     assert httpx.get(f"{thr_server.url}/v1/jobs/{job['id']}/result").status_code == 200
 
 

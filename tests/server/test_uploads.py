@@ -70,7 +70,7 @@ def test_tuspy_upload_cut_and_resume(make_server, tmp_path: Path) -> None:
     # read from the socket and not yet passed on when it saw the connection end (its buffer, well under 1.5 MiB).
     upload_id = upload_url.rsplit("/", 1)[-1]
     deadline = time.monotonic() + 10
-    while server.app.state.uploads.busy(upload_id):  # the PATCH handler is still saving what it got
+    while server.app.state.services.uploads.busy(upload_id):  # the PATCH handler is still saving what it got
         assert time.monotonic() < deadline, "the cut PATCH never ended"
         time.sleep(0.05)
     offset = int(httpx.head(upload_url, headers=TUS).headers["Upload-Offset"])
@@ -136,6 +136,49 @@ def test_a_crash_in_the_middle_of_a_checksummed_patch_keeps_none_of_its_bytes(tm
         restarted.stop()
 
 
+@pytest.mark.parametrize("checksummed", [False, True])
+def test_a_stopping_server_answers_the_patch_in_progress(tmp_path: Path, store_dir: Path, checksummed: bool) -> None:
+    """SIGTERM while a PATCH's body was still coming: after the 5 s grace period uvicorn cancelled it into a
+    plain-text 500 and logged a CancelledError traceback. The PATCH now ends at once with a 503 that says where to
+    resume (what arrived is kept; a checksummed chunk, unverified, is dropped) and the server stops cleanly."""
+    data_dir = tmp_path / "data"
+    args = ["--store", str(store_dir), "--data-dir", str(data_dir), "--device", "cpu"]
+    server = ServerProcess(args, free_port()).start()
+    body = os.urandom(1000)
+    extra = f"Upload-Checksum: sha1 {base64.b64encode(hashlib.sha1(body).digest()).decode()}\r\n" if checksummed else ""
+    try:
+        location = _create(server, len(body))
+        head = (f"PATCH /v1/uploads/{location.rsplit('/', 1)[-1]} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Tus-Resumable: 1.0.0\r\nUpload-Offset: 0\r\nContent-Type: application/offset+octet-stream\r\n"
+                f"{extra}Content-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as quiet:
+            quiet.sendall(head + body[:100])  # and then nothing more, the connection left open
+            time.sleep(1.0)  # the server is reading the body
+            server.proc.terminate()
+            started = time.monotonic()
+            answer = b""
+            while b"}" not in answer:
+                data = quiet.recv(65536)
+                assert data, answer
+                answer += data
+        assert time.monotonic() - started < 3, "the PATCH waited for the grace period"
+        kept = 0 if checksummed else 100
+        assert answer.startswith(b"HTTP/1.1 503") and b"server_stopping" in answer, answer
+        assert f"upload-offset: {kept}\r\n".encode() in answer.lower() and b"retry-after: 5" in answer.lower()
+        server.proc.wait(timeout=20)
+        log = server.proc.stdout.read().decode()
+        assert "Traceback" not in log and "CancelledError" not in log, log
+    finally:
+        server.kill()
+    restarted = ServerProcess(args, server.port).start()
+    try:
+        assert httpx.head(location, headers=TUS).headers["Upload-Offset"] == str(kept)
+        resumed = _patch(location, body[kept:], kept)
+        assert (resumed.status_code, resumed.headers["Upload-Offset"]) == (204, "1000"), resumed.text
+    finally:
+        restarted.stop()
+
+
 def test_metadata_comes_back_as_sent(make_server) -> None:
     """HEAD echoes Upload-Metadata: a key without a value (tus 1.0.0 allows it) and a value that is not UTF-8
     come back as the client sent them; the JSON view shows text where there is text."""
@@ -190,6 +233,21 @@ def test_protocol_errors(make_server) -> None:
     # termination
     assert httpx.delete(url, headers=TUS).status_code == 204
     assert httpx.head(url, headers=TUS).status_code == 404
+
+
+def test_a_405_allows_every_method_of_its_path(make_server) -> None:
+    """Routing named only the first route matching the path: Allow: OPTIONS on an upload that also takes HEAD,
+    GET, PATCH and DELETE (RFC 9110: the 405's Allow lists the target's methods)."""
+    server = make_server()
+    url = _create(server, 6)
+    for response, allowed in ((httpx.post(url, headers=TUS), "DELETE, GET, HEAD, OPTIONS, PATCH"),
+                              (httpx.put(server.url + "/v1/uploads", headers=TUS), "OPTIONS, POST"),
+                              (httpx.put(server.url + "/v1/jobs/abc"), "DELETE, GET"),
+                              (httpx.put(server.url + "/v1/models/x/load"), "POST"),  # not GET: not a model name
+                              (httpx.get(server.url + "/v1/models/x/infer"), "POST"),
+                              (httpx.put(server.url + "/v1/models/x"), "GET"),
+                              (httpx.post(server.url + "/openapi.json"), "GET, HEAD")):
+        assert (response.status_code, response.headers.get("Allow")) == (405, allowed), response.text
 
 
 def test_protocol_details_other_clients_rely_on(make_server) -> None:
@@ -268,7 +326,7 @@ def test_a_resume_takes_over_an_upload_whose_patch_went_quiet(make_server, metho
     with socket.create_connection(("127.0.0.1", server.config.port), timeout=30) as quiet:
         quiet.sendall(head + bytes(100))  # and then nothing more, the connection left open
         deadline = time.monotonic() + 10
-        while not server.app.state.uploads.busy(url.rsplit("/", 1)[-1]):
+        while not server.app.state.services.uploads.busy(url.rsplit("/", 1)[-1]):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         started = time.monotonic()
@@ -303,7 +361,7 @@ def test_a_patch_running_past_the_expiry_keeps_the_upload(make_server) -> None:
     """Expiry and the sweep leave an upload alone while a PATCH writes it (the PATCH renews it); an upload whose
     bytes vanished answers 404, and is not renewed."""
     server = make_server(upload_expiry_seconds=1.0)
-    uploads = server.app.state.uploads
+    uploads = server.app.state.services.uploads
     url = _create(server, 6)
 
     def slow_body():
@@ -349,7 +407,7 @@ def test_an_upload_being_written_is_not_handed_to_inference(tmp_path: Path) -> N
 
 def test_only_existing_uploads_get_a_lock_and_deleted_ones_drop_it(make_server) -> None:
     server = make_server()
-    uploads = server.app.state.uploads
+    uploads = server.app.state.services.uploads
     for _ in range(3):
         r = httpx.patch(f"{server.url}/v1/uploads/{os.urandom(16).hex()}", content=b"x",
                         headers={**TUS, "Upload-Offset": "0", "Content-Type": "application/offset+octet-stream"})
@@ -371,7 +429,7 @@ def test_an_upload_removed_while_it_is_staged_is_a_404(thr_server, demo_study: P
     data = next(p for p in sorted(demo_study.iterdir()) if p.is_file()).read_bytes()
     location = _create(thr_server, len(data))
     assert _patch(location, data, 0).status_code == 204
-    uploads = thr_server.app.state.uploads
+    uploads = thr_server.app.state.services.uploads
     finished = UploadStore.finished
 
     def finished_then_deleted(store: UploadStore, upload_id: str) -> Path:
@@ -476,6 +534,17 @@ def test_a_checksummed_chunk_cut_by_the_servers_stop_is_dropped_at_once(tmp_path
     assert data.read_bytes() == b"abc" and not pending.exists()
 
 
+async def _quiet_patch(store: UploadStore, upload_id: str, name: str, ended: dict[str, str]) -> None:
+    """A PATCH of one byte, then nothing: `ended[name]` says how its body ended."""
+    from medserve.server.uploads import Body
+
+    async with store.writing(upload_id) as interrupt:
+        body = Body(_body_request(b"x"), 0, 1000, 60, interrupt)
+        async for _ in body.chunks():
+            pass
+        ended[name] = body.ended
+
+
 def _body_request(*chunks: bytes, more: bool = True) -> Any:
     """A Starlette request whose body is `chunks`, then (with `more`) nothing: a link gone quiet."""
     from starlette.requests import Request
@@ -487,12 +556,13 @@ def _body_request(*chunks: bytes, more: bool = True) -> Any:
     return Request({"type": "http", "method": "PATCH", "headers": [], "path": "/"}, messages.get)
 
 
-def test_takeovers_end_quiet_patches_only_and_each_holder_in_turn(tmp_path: Path,
+def test_takeovers_and_stops_end_quiet_patches_only_and_each_holder_in_turn(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """From the review of the takeover: a request queued behind another waiter never asked the next holder to
     end (423 after the wait); a PATCH whose whole body had arrived, asked during its last disk write, was dropped
     as taken over; a request that came while a first one's ask was expiring the holder's wait failed with
-    RuntimeError (a 500)."""
+    RuntimeError (a 500). From the review of the stop: stop_writers asked only the PATCHes holding an upload
+    then, so a resume waiting for one took it next and read on until the grace period cut it off."""
     from medserve.server import uploads as uploads_module
     from medserve.server.uploads import Body, _receive_verified
 
@@ -500,19 +570,13 @@ def test_takeovers_end_quiet_patches_only_and_each_holder_in_turn(tmp_path: Path
     store = UploadStore(tmp_path, max_bytes=10**6, expiry_seconds=60)
     info = store.create(1000)
 
-    async def quiet_patch(name: str, ended: dict, upload_id: str) -> None:
-        async with store.writing(upload_id) as interrupt:
-            body = Body(_body_request(b"x"), 0, 1000, 60, interrupt)
-            async for _ in body.chunks():
-                pass
-            ended[name] = body.ended
-
     async def queued_in_turn() -> dict:
         ended: dict[str, str] = {}
-        first = asyncio.create_task(quiet_patch("first", ended, info.id))
+        first = asyncio.create_task(_quiet_patch(store, info.id, "first", ended))
         await asyncio.sleep(0.05)
-        second = asyncio.create_task(quiet_patch("second", ended, info.id))  # a resume whose link goes quiet too
-        third = asyncio.create_task(quiet_patch("third", ended, info.id))  # came while the first still held it
+        # a resume whose link goes quiet too, and one that came while the first still held the upload
+        second = asyncio.create_task(_quiet_patch(store, info.id, "second", ended))
+        third = asyncio.create_task(_quiet_patch(store, info.id, "third", ended))
         await asyncio.sleep(1.0)
         holds = store.busy(info.id)
         for task in (first, second, third):
@@ -526,7 +590,7 @@ def test_takeovers_end_quiet_patches_only_and_each_holder_in_turn(tmp_path: Path
 
     async def racing_an_expiring_ask() -> dict:
         ended: dict[str, str] = {}
-        holder = asyncio.create_task(quiet_patch("holder", ended, other))
+        holder = asyncio.create_task(_quiet_patch(store, other, "holder", ended))
         await asyncio.sleep(0.05)
         loop = asyncio.get_running_loop()
 
@@ -570,3 +634,17 @@ def test_takeovers_end_quiet_patches_only_and_each_holder_in_turn(tmp_path: Path
         return await writing, await asyncio.create_task(taker())
 
     assert asyncio.run(asked_during_the_last_write()) == (("complete", 200), 200)
+
+    stopped = store.create(1000).id
+
+    async def stopping() -> dict:
+        ended: dict[str, str] = {}
+        holder = asyncio.create_task(_quiet_patch(store, stopped, "holder", ended))
+        await asyncio.sleep(0.05)
+        resume = asyncio.create_task(_quiet_patch(store, stopped, "resume", ended))
+        await asyncio.sleep(0)  # the resume is waiting for the upload, having asked the holder to end
+        store.stop_writers()
+        await asyncio.wait_for(asyncio.gather(holder, resume), 5)
+        return ended
+
+    assert asyncio.run(stopping()) == {"holder": "taken over", "resume": "server stopping"}
