@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medserve.errors import MedserveError
-from medserve.server import health, jobs_api, maps, models_api, oip, uploads
+from medserve.server import cors, health, jobs_api, maps, models_api, oip, uploads
 from medserve.server.auth import Authenticator, load_tokens
 from medserve.server.config import ServerConfig
 from medserve.server.errors import (ApiError, api_error_handler, core_error_handler, database_error_handler,
@@ -103,6 +103,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(uploads.TusProtocol)
+    if config.cors_origins:
+        cors.allow_origins(app, config.cors_origins)
     return app
 
 

@@ -47,6 +47,14 @@ def _port(text: str) -> int:
     return value
 
 
+def _origin(text: str) -> str:
+    from medserve.server.cors import origin_problem
+
+    if problem := origin_problem(text):
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def _positive(text: str) -> float:
     value = _at_least(0.0)(text)
     if value == 0:
@@ -105,6 +113,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
                        help="a bundle folder must be unchanged this long before it is loaded (default 2)")
     serve.add_argument("--poll-interval", type=_positive, default=1.0, help="store scan interval in seconds")
     serve.add_argument("--device", help="torch device for all models (default: the bundle's choice)")
+    serve.add_argument("--cors-origin", action="append", default=[], type=_origin, metavar="ORIGIN",
+                       help="let browser apps on ORIGIN (https://host[:port], or *) call the server; repeatable")
     serve.set_defaults(handler=serve_command)
 
     infer = subparsers.add_parser("infer", help="run a model on a study through the server")
@@ -156,7 +166,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         job_retention_seconds=args.job_retention_hours * 3600 if args.job_retention_hours is not None else None,
         dicomweb_url=args.dicomweb, dicomweb_timeout=args.dicomweb_timeout,
         max_upload_bytes=int(args.max_upload_mb * 1024**2), stable_seconds=args.stable_seconds,
-        poll_interval=args.poll_interval, device=args.device)
+        poll_interval=args.poll_interval, device=args.device, cors_origins=args.cors_origin)
 
 
 def serve_command(args: argparse.Namespace) -> int:

@@ -48,6 +48,8 @@ class ServerConfig:
     dicomweb_timeout: float = 30.0
     dicomweb_retries: int = 4
     dicomweb_backoff: float = 1.0
+    # Browser apps on these origins (scheme://host[:port], or "*") may call the server (medserve.server.cors).
+    cors_origins: list[str] = field(default_factory=list)
 
     @property
     def uploads_dir(self) -> Path:
