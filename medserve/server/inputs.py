@@ -362,8 +362,13 @@ def media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
+Check = Callable[[dict[str, Any]], object]
+RAW_BODY_TYPES = ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",
+                  "application/x-nifti")
+
+
 async def parse_input(request: Request, dest: Path, max_bytes: int,
-                      check: Callable[[dict[str, Any]], object] | None = None) -> tuple[InputSpec, dict[str, Any]]:
+                      check: Check | None = None) -> tuple[InputSpec, dict[str, Any]]:
     """Read the request into `dest`; returns the input and the options found beside it (format, writeback,
     model). `check(options)` runs as soon as the options are known, before the study is stored or extracted,
     and may raise to refuse the request (an unknown model) without that work."""
@@ -371,69 +376,11 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     _check_encoding(request)
     dest.mkdir(parents=True, exist_ok=True)
     content_type = media_type(request)
-    uploads = services(request).uploads
     if content_type == "application/json":
-        body = await input_json(request)
-        options = request_options(request, body.items())
-        check(options)
-        if "upload" in body and "study" in body:
-            raise ApiError(400, "bad_json", "give either 'upload' (a tus upload) or 'study' (a DICOMweb reference), "
-                           "not both")
-        if "upload" in body:
-            if not isinstance(body["upload"], str):
-                raise ApiError(400, "bad_json", f"'upload' must be the id of a tus upload (a string), not "
-                               f"{shown(body['upload'])}")
-            path = uploads.finished(body["upload"])
-            spec = await anyio.to_thread.run_sync(stage_upload, path, dest, max_bytes)
-            return spec, options
-        if "study" in body:
-            _check_uid(body, "study", "Study")
-            series = body.get("series")
-            if series is not None:
-                _check_uid(body, "series", "Series")
-            configured = services(request).config.dicomweb_url
-            if not configured:
-                raise ApiError(400, "no_dicomweb", "this server has no DICOMweb store configured (--dicomweb)")
-            named = body.get("store")
-            ours = without_credentials(configured.rstrip("/"))
-            if named and without_credentials(str(named).rstrip("/")) != ours:
-                # Only the configured store is ever contacted: a client cannot make the server fetch any URL. Its
-                # credentials are the server's: a client names the store without them, and is never shown them.
-                raise ApiError(400, "unknown_store", f"this server reads only from {ours}, not "
-                               f"{without_credentials(str(named))}")
-            return InputSpec("dicomweb", study=body["study"], series=series), options
-        raise ApiError(400, "bad_json", "expected {\"upload\": ID} or {\"study\": UID, \"series\": UID?}")
+        return await _json_input(request, dest, max_bytes, check)
     if content_type == "multipart/form-data":
-        _, parameters = parse_options_header(request.headers.get("content-type", ""))
-        if not parameters.get(b"boundary"):
-            raise ApiError(400, "bad_multipart", "the multipart Content-Type has no boundary")
-        raw = dest / "parts"
-        raw.mkdir(exist_ok=True)
-        fields: list[tuple[str, str]] = []
-
-        def on_field(key: str, value: str) -> None:
-            if key not in OPTION_FIELDS:  # a file part without a filename, or a misspelt option
-                raise ApiError(400, "bad_multipart", f"form field {shown(key)} is not a file part (it has no "
-                               f"filename) nor one of {', '.join(OPTION_FIELDS)}; send files as file parts: "
-                               "curl -F 'files=@PATH'")
-            fields.append((key, value))
-            if key == "model":  # an unknown model is refused before the study's files are read
-                check(request_options(request, fields))
-
-        reader = MultipartReader(parameters[b"boundary"], body_charset(parameters), raw, _part_name, on_field,
-                                 MAX_FORM_FILES)
-        idle_seconds = services(request).config.upload_idle_seconds
-        try:
-            parts = await reader.read(body_chunks(limited(request, max_bytes), idle_seconds))
-        except TimeoutError as error:
-            raise stalled(idle_seconds) from error
-        options = request_options(request, fields)
-        check(options)
-        if not parts:
-            raise ApiError(400, "empty_input", "the multipart body holds no files")
-        return await anyio.to_thread.run_sync(_stage_parts, parts, raw, dest, max_bytes), options
-    if content_type in ("application/zip", "application/dicom", "application/octet-stream", "application/gzip",
-                        "application/x-nifti"):
+        return await _multipart_input(request, dest, max_bytes, check)
+    if content_type in RAW_BODY_TYPES:
         options = request_options(request)
         check(options)
         target = dest / "body"
@@ -444,3 +391,73 @@ async def parse_input(request: Request, dest: Path, max_bytes: int,
     raise ApiError(415, "unsupported_media_type",
                    f"Content-Type {shown(content_type) if content_type else '(none)'} is not taken: send "
                    "multipart/form-data files, a zip/DICOM/NIfTI body, or JSON {upload} / {study, series}")
+
+
+async def _json_input(request: Request, dest: Path, max_bytes: int,
+                      check: Check) -> tuple[InputSpec, dict[str, Any]]:
+    """`{"upload": ID}` (a finished tus upload, staged into `dest`) or `{"study": UID, "series": UID?}` (a
+    reference into the configured DICOMweb store, pulled later)."""
+    body = await input_json(request)
+    options = request_options(request, body.items())
+    check(options)
+    if "upload" in body and "study" in body:
+        raise ApiError(400, "bad_json", "give either 'upload' (a tus upload) or 'study' (a DICOMweb reference), "
+                       "not both")
+    if "upload" in body:
+        if not isinstance(body["upload"], str):
+            raise ApiError(400, "bad_json", f"'upload' must be the id of a tus upload (a string), not "
+                           f"{shown(body['upload'])}")
+        path = services(request).uploads.finished(body["upload"])
+        spec = await anyio.to_thread.run_sync(stage_upload, path, dest, max_bytes)
+        return spec, options
+    if "study" in body:
+        _check_uid(body, "study", "Study")
+        series = body.get("series")
+        if series is not None:
+            _check_uid(body, "series", "Series")
+        configured = services(request).config.dicomweb_url
+        if not configured:
+            raise ApiError(400, "no_dicomweb", "this server has no DICOMweb store configured (--dicomweb)")
+        named = body.get("store")
+        ours = without_credentials(configured.rstrip("/"))
+        if named and without_credentials(str(named).rstrip("/")) != ours:
+            # Only the configured store is ever contacted: a client cannot make the server fetch any URL. Its
+            # credentials are the server's: a client names the store without them, and is never shown them.
+            raise ApiError(400, "unknown_store", f"this server reads only from {ours}, not "
+                           f"{without_credentials(str(named))}")
+        return InputSpec("dicomweb", study=body["study"], series=series), options
+    raise ApiError(400, "bad_json", "expected {\"upload\": ID} or {\"study\": UID, \"series\": UID?}")
+
+
+async def _multipart_input(request: Request, dest: Path, max_bytes: int,
+                           check: Check) -> tuple[InputSpec, dict[str, Any]]:
+    """Files as form parts, each written to disk as it arrives, beside option fields (a `model` field is checked
+    as soon as it is read, before the files after it)."""
+    _, parameters = parse_options_header(request.headers.get("content-type", ""))
+    if not parameters.get(b"boundary"):
+        raise ApiError(400, "bad_multipart", "the multipart Content-Type has no boundary")
+    raw = dest / "parts"
+    raw.mkdir(exist_ok=True)
+    fields: list[tuple[str, str]] = []
+
+    def on_field(key: str, value: str) -> None:
+        if key not in OPTION_FIELDS:  # a file part without a filename, or a misspelt option
+            raise ApiError(400, "bad_multipart", f"form field {shown(key)} is not a file part (it has no "
+                           f"filename) nor one of {', '.join(OPTION_FIELDS)}; send files as file parts: "
+                           "curl -F 'files=@PATH'")
+        fields.append((key, value))
+        if key == "model":  # an unknown model is refused before the study's files are read
+            check(request_options(request, fields))
+
+    reader = MultipartReader(parameters[b"boundary"], body_charset(parameters), raw, _part_name, on_field,
+                             MAX_FORM_FILES)
+    idle_seconds = services(request).config.upload_idle_seconds
+    try:
+        parts = await reader.read(body_chunks(limited(request, max_bytes), idle_seconds))
+    except TimeoutError as error:
+        raise stalled(idle_seconds) from error
+    options = request_options(request, fields)
+    check(options)
+    if not parts:
+        raise ApiError(400, "empty_input", "the multipart body holds no files")
+    return await anyio.to_thread.run_sync(_stage_parts, parts, raw, dest, max_bytes), options
