@@ -213,39 +213,10 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         instance = _read_or_skip(path, skipped)
         if instance is None:
             continue
-        dataset = instance.dataset
-        study_uid = uid_value(dataset, "StudyInstanceUID")
-        series_uid = uid_value(dataset, "SeriesInstanceUID")
-        if not study_uid or not series_uid:
-            if not _is_image(instance):
-                _skip(skipped, path, f"no StudyInstanceUID/SeriesInstanceUID ({_sop_class_name(dataset)}, not an "
-                                     "image)")
-            elif instance.without_preamble:  # parsed with force: perhaps not DICOM at all
-                _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
-            else:
-                # pydicom returns what it could read of a cut file; an image without its UIDs is damaged.
-                missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
-                                                       ("SeriesInstanceUID", series_uid)) if not v)
-                raise DicomInputError(f"{path}: corrupt or truncated DICOM file, or an incomplete object: {missing} "
-                                      "missing")
+        uids = _series_uids(instance, skipped)
+        if uids is None:
             continue
-        if _is_other_object(instance):
-            # A dose report or presentation state filed in an image series is no slice of it.
-            _skip(skipped, path, f"{_sop_class_name(dataset)}, not an image")
-            continue
-        if instance.float_pixels:  # read as a file cut before its pixels, it was refused as truncated
-            _skip(skipped, path, f"{_sop_class_name(dataset)} with floating-point pixel data (Float Pixel Data), "
-                                 "which is not supported; expected integer Pixel Data")
-            continue
-        if not uid_value(dataset, "SOPInstanceUID"):
-            # Every result references its source images by this UID (a SEG cannot be written without it).
-            raise DicomInputError(f"{path}: SOPInstanceUID is missing; every DICOM image must have one")
-        if (instance.pixel_data_offset is None and _pixel_data_offset_is_known(instance)
-                and _has_image_class(dataset)):
-            # A file cut before its pixels, perhaps inside a UID: alone in a "series" of its own, it would
-            # otherwise be left out of the volume without a word.
-            raise DicomInputError(f"{path}: corrupt or truncated DICOM file: no Pixel Data, which every "
-                                  f"{_sop_class_name(dataset)} object holds")
+        study_uid, series_uid = uids
         series = series_by_uid.get((study_uid, series_uid))
         if series is None:
             series = series_by_uid[study_uid, series_uid] = Series(study_uid=study_uid, series_uid=series_uid)
@@ -253,7 +224,7 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         series.instances.append(instance)
         if prepared is None:
             prepared = series
-            series.volume_memory = VolumeMemory.for_header(dataset, capacity=len(paths))
+            series.volume_memory = VolumeMemory.for_header(instance.dataset, capacity=len(paths))
         if series is prepared and series.volume_memory is not None:
             series.volume_memory.reserve(len(series.instances))
 
@@ -265,6 +236,45 @@ def index_folder(folder: Path | str, exclude: Path | str | None = None) -> Study
         log.warning("skipping %d more files (%s)", len(skipped) - _SKIPS_LOGGED,
                     ", ".join(sorted({reason for _, reason in skipped[_SKIPS_LOGGED:]})))
     return StudyIndex(root=root, studies=list(studies.values()), skipped=skipped)
+
+
+def _series_uids(instance: Instance, skipped: list[tuple[Path, str]]) -> tuple[str, str] | None:
+    """The (study, series) UIDs an image slice belongs under; None for a file skipped (its reason added to
+    `skipped`): an object that is no image, or a kind of image we cannot read. DicomInputError for a damaged
+    image, which would otherwise be a slice silently missing from its series."""
+    dataset, path = instance.dataset, instance.path
+    study_uid = uid_value(dataset, "StudyInstanceUID")
+    series_uid = uid_value(dataset, "SeriesInstanceUID")
+    if not study_uid or not series_uid:
+        if not _is_image(instance):
+            _skip(skipped, path, f"no StudyInstanceUID/SeriesInstanceUID ({_sop_class_name(dataset)}, not an "
+                                 "image)")
+        elif instance.without_preamble:  # parsed with force: perhaps not DICOM at all
+            _skip(skipped, path, "no StudyInstanceUID/SeriesInstanceUID")
+        else:
+            # pydicom returns what it could read of a cut file; an image without its UIDs is damaged.
+            missing = " and ".join(k for k, v in (("StudyInstanceUID", study_uid),
+                                                   ("SeriesInstanceUID", series_uid)) if not v)
+            raise DicomInputError(f"{path}: corrupt or truncated DICOM file, or an incomplete object: {missing} "
+                                  "missing")
+        return None
+    if _is_other_object(instance):
+        # A dose report or presentation state filed in an image series is no slice of it.
+        _skip(skipped, path, f"{_sop_class_name(dataset)}, not an image")
+        return None
+    if instance.float_pixels:  # read as a file cut before its pixels, it was refused as truncated
+        _skip(skipped, path, f"{_sop_class_name(dataset)} with floating-point pixel data (Float Pixel Data), "
+                             "which is not supported; expected integer Pixel Data")
+        return None
+    if not uid_value(dataset, "SOPInstanceUID"):
+        # Every result references its source images by this UID (a SEG cannot be written without it).
+        raise DicomInputError(f"{path}: SOPInstanceUID is missing; every DICOM image must have one")
+    if instance.pixel_data_offset is None and _pixel_data_offset_is_known(instance) and _has_image_class(dataset):
+        # A file cut before its pixels, perhaps inside a UID: alone in a "series" of its own, it would otherwise be
+        # left out of the volume without a word.
+        raise DicomInputError(f"{path}: corrupt or truncated DICOM file: no Pixel Data, which every "
+                              f"{_sop_class_name(dataset)} object holds")
+    return study_uid, series_uid
 
 
 def _is_image(instance: Instance) -> bool:
