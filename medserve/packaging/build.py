@@ -75,6 +75,9 @@ def prepare(request: PackageRequest) -> BuildInputs:
         raise PackagingError(f"--variant {request.variant}: expected auto, cpu or cuda")
     variant = request.variant if request.variant != "auto" else ("cuda" if config.gpus > 0 else "cpu")
     holoscan_version, sdk_version = sdk_versions(app_requirements(app, config))
+    if not models:  # allowed, as the official packager allows it; an app that loads a bundle then always fails
+        logger.warning("no -m: the MAP holds no model (/opt/holoscan/models is empty); give -m BUNDLE_DIR unless "
+                       "the app needs none")
     return BuildInputs(
         app=app, config=config, models=models,
         app_json=app_manifest(config, app, sdk_version),

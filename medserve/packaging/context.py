@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import errno
 import fnmatch
 import functools
 import hashlib
@@ -34,6 +35,8 @@ logger = logging.getLogger("medserve.packaging.context")
 CA_BUNDLE_VARIABLES = ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE")
 # Holoscan (holoscan-cu13) loads libcudart.so.13 even on CPU; a clean image has no CUDA runtime.
 CUDA_RUNTIME_PIN = "nvidia-cuda-runtime==13.0.*"
+# copytree gathers its failures as text: ENOSPC and EDQUOT there are the context's disk, not the file copied.
+_FULL_DISK = re.compile(r"\[Errno (28|122)\]")
 
 
 @dataclass(frozen=True)
@@ -108,12 +111,19 @@ def ignored(directory: str, names: list[str]) -> set[str]:
             and (not directories_only or os.path.isdir(os.path.join(directory, name)))}
 
 
+def no_room(context: Path) -> PackagingError:
+    return PackagingError(f"no room left on the disk of the build context {context}: free space there, or set "
+                          "TMPDIR to a folder on a disk with room for the app, its bundles and the wheels")
+
+
 def _copy_tree(source: Path, target: Path, what: str) -> None:
     """copytree with the official ignore patterns; an unreadable entry (a dangling symlink) or a symlink loop is
-    a PackagingError."""
+    a PackagingError, as is a full disk (the context's, not the source's)."""
     try:
         shutil.copytree(source, target, ignore=ignored)
     except shutil.Error as error:
+        if any(_FULL_DISK.search(str(reason)) for _, _, reason in error.args[0]):
+            raise no_room(target.parent) from error
         bad, _, reason = error.args[0][0]
         loop = _loop_link(source, Path(bad))
         if loop is not None:
@@ -266,6 +276,15 @@ def deps_fingerprint(requirements: list[str], pip_conf: str, wheel_dir: Path | N
 
 def write_context(inputs: BuildInputs, directory: Path) -> Path:
     """Write everything the Containerfile copies; returns the Containerfile path."""
+    try:
+        return _write_context(inputs, directory)
+    except OSError as error:
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_room(directory) from error
+        raise
+
+
+def _write_context(inputs: BuildInputs, directory: Path) -> Path:
     _copy_tree(inputs.app.directory, directory / "app", "application directory")
     lib = directory / "lib"
     lib.mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -55,6 +56,19 @@ def base_command(tool: str) -> list[str]:
     return [tool, *storage_args()] if tool in {"buildah", "podman"} else [tool]
 
 
+# A tool's chatter around its error: progress lines, and retries' warnings that only repeat the final error.
+_CHATTER = re.compile(r"^(Copying (blob|config)|Writing manifest|Storing signatures|Getting image source signatures|"
+                      r"Trying to pull|Writing blob)|level=(warning|info|debug)")
+
+
+def last_words(output: str, lines: int = 3) -> str:
+    """What a failed tool said of its failure, on one line: its last error line (podman, buildah and skopeo end
+    with `Error: ...`), else its last `lines` lines, without progress and retry chatter."""
+    said = [line.strip() for line in output.strip().splitlines() if line.strip() and not _CHATTER.search(line)]
+    errors = [line for line in said if line.lower().startswith("error")]
+    return " | ".join(errors[-1:] or said[-lines:])
+
+
 def run(argv: Sequence[str], what: str, timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
     """Run a tool to completion; a failure raises PackagingError naming `what` and the tool's last words."""
     logger.debug("run: %s", " ".join(argv))
@@ -65,8 +79,8 @@ def run(argv: Sequence[str], what: str, timeout: float | None = None, **kwargs) 
     except subprocess.TimeoutExpired as error:
         raise PackagingError(f"{what}: {argv[0]} did not finish within {timeout:.0f} s") from error
     if result.returncode != 0:
-        tail = (result.stderr or result.stdout).strip().splitlines()[-5:]
-        raise PackagingError(f"{what} failed ({argv[0]} exit {result.returncode}): " + " | ".join(tail))
+        raise PackagingError(f"{what} failed ({argv[0]} exit {result.returncode}): "
+                             + last_words(result.stderr or result.stdout, 5))
     return result
 
 

@@ -165,7 +165,7 @@ def _missing_credentials() -> str:
 def _classify(error: subprocess.CompletedProcess, host: str, action: str,
               credentials: Credentials | None) -> PackagingError:
     text = (error.stderr or "") + (error.stdout or "")
-    last = " | ".join(text.strip().splitlines()[-3:])
+    last = engine.last_words(text)
     # Unreachable first: its messages carry host:port, whose digits must not read as an HTTP 401.
     if _UNREACHABLE.search(text):
         return PackagingError(f"{action}: registry {host} is unreachable: {last}")

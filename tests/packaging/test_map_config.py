@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import shutil
 import ssl
 import subprocess
 import sys
@@ -519,6 +521,61 @@ def test_dangling_symlink_is_one_error_line(tmp_path: Path, where: str, capsys: 
     assert f"cannot copy {link}: a symlink to {tmp_path / 'gone'}, which does not exist" in err
 
 
+def test_a_map_without_models_is_built_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Without -m the bundle_seg MAP built silently, then failed on every run ("bundle folders found: none")."""
+    with caplog.at_level("WARNING", logger="medserve.packaging.build"):
+        app = make_app(tmp_path)
+        inputs = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1"))
+    assert inputs.models == {} and inputs.pkg_json.get("models", {}) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "no -m: the MAP holds no model (/opt/holoscan/models is empty); give -m BUNDLE_DIR unless the app needs none"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="medserve.packaging.build"):
+        prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", models=make_bundle(tmp_path / "models")))
+    assert not caplog.records
+
+
+def test_a_tools_last_words_leave_out_its_progress_and_retries() -> None:
+    from medserve.packaging.engine import last_words
+
+    error = ('Error: initializing source docker://127.0.0.1:5999/x:1: pinging container registry 127.0.0.1:5999: '
+             'dial tcp 127.0.0.1:5999: connect: connection refused')
+    pull = ("Trying to pull 127.0.0.1:5999/x:1...\n"
+            'time="2026-12-08T00:10:00Z" level=warning msg="Failed, retrying in 1s ... (1/3). Error: initializing"\n'
+            f"{error}\n")
+    push = f"Getting image source signatures\nCopying blob sha256:881d\nCopying config sha256:27a0\n{error}\n"
+    assert last_words(pull) == last_words(push) == error
+    assert last_words("one\ntwo\nthree\nfour\n") == "two | three | four"  # no error line: the last lines
+
+
+def _onto_full_disk(source: object, target: object) -> None:
+    shutil.copyfile(source, "/dev/full")  # ENOSPC, as from a full disk
+
+
+@pytest.mark.parametrize("copying", ["a tree", "a file"])
+def test_a_full_build_context_disk_is_named_not_the_file_copied(tmp_path: Path, copying: str,
+                                                                capsys: pytest.CaptureFixture,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TMPDIR with no room left: the error blamed the source file ("cannot copy .../engine.py: [Errno 28] No
+    space left on device; expected readable files (remove or fix it)")."""
+    from medserve.cli import main as cli_main
+    from medserve.packaging import build, context, engine
+
+    app, bundle = make_app(tmp_path), make_bundle(tmp_path / "models")
+    if copying == "a tree":
+        monkeypatch.setattr(context.shutil, "copytree",
+                            functools.partial(shutil.copytree, copy_function=_onto_full_disk))
+    else:
+        monkeypatch.setattr(context.shutil, "copy2", _onto_full_disk)
+    monkeypatch.setattr(engine, "pick", lambda choice, daemonless: "buildah")  # fails before any build
+    monkeypatch.setattr(build, "_check_local_base_image", lambda *args: None)
+    code = cli_main(["package", str(app), "-c", str(write(tmp_path, GOOD)), "-t", "x:1", "-m", str(bundle)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: no room left on the disk of the build context "), err
+    assert "set TMPDIR to a folder on a disk with room" in err and "expected readable files" not in err
+
+
 def test_ca_bundle_found_where_pip_and_python_look(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     bundle, empty = tmp_path / "corp.pem", tmp_path / "empty.pem"
     bundle.write_text("-----BEGIN CERTIFICATE-----\n")
@@ -635,7 +692,7 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
     from medserve.packaging import build, engine
 
     app, config = make_app(tmp_path), write(tmp_path, GOOD)
-    args = ["package", str(app), "-c", str(config), "-t", "x:1"]
+    args = ["package", str(app), "-c", str(config), "-t", "x:1", "-m", str(make_bundle(tmp_path / "models"))]
     expected = {"latin-1 app.yaml": f"{config}: cannot be read as text",
                 "latin-1 requirements": f"{app / 'requirements.txt'}: cannot be read as text",
                 "symlink loop": f"{app / 'up'} is a symlink back up the tree it is in (a loop)",
@@ -649,7 +706,7 @@ def test_unreadable_packaging_inputs_are_one_error_line(tmp_path: Path, case: st
     elif case == "symlink loop":
         (app / "up").symlink_to(app, target_is_directory=True)
     elif case == "models not a folder":
-        args += ["-m", "/dev/null"]
+        args[args.index("-m") + 1] = "/dev/null"
     elif case in USER_CASES:
         args += USER_CASES[case][0]
     elif case in TAG_CASES:

@@ -281,10 +281,16 @@ def test_push_pull_digests_match_and_run_from_registry(toy_image: str, registry,
     remove_image(reference)
 
 
-def test_push_unreachable_registry(toy_image: str) -> None:
+def test_push_and_pull_unreachable_registry(toy_image: str) -> None:
+    """One line naming the registry and the tool's error, without its progress lines and retries' warnings
+    (hundreds of characters of them were on the line)."""
     port = free_port()  # nothing listens there
-    with pytest.raises(PackagingError, match=rf"registry 127.0.0.1:{port} is unreachable"):
+    with pytest.raises(PackagingError, match=rf"registry 127.0.0.1:{port} is unreachable: Error: ") as pushing:
         reg.push(toy_image, f"127.0.0.1:{port}/medserve/toy:0.3", "buildah")
+    assert "Copying blob" not in str(pushing.value) and "connection refused" in str(pushing.value)
+    with pytest.raises(PackagingError, match=rf"registry 127.0.0.1:{port} is unreachable: Error: ") as pulling:
+        reg.pull(f"127.0.0.1:{port}/medserve/toy:0.3", "podman")
+    assert "level=warning" not in str(pulling.value) and str(pulling.value).count("connection refused") == 1
 
 
 def test_push_credentials(toy_image: str, registry, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
