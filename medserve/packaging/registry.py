@@ -130,6 +130,26 @@ def image_name(reference: str) -> str:
     return reference
 
 
+_IMAGE_ID = re.compile(r"^(sha256:)?[a-f0-9]{12,64}$")
+_DIGEST = re.compile(r"^[a-z0-9]+(?:[.+_-][a-z0-9]+)*:[a-f0-9]{32,}$")
+_RUNNABLE = ("expected an image ID or [HOST[:PORT]/]REPO[:TAG][@DIGEST] with a lowercase REPO, such as "
+             "ghcr.io/org/app:1.0")
+
+
+def image_reference(reference: str) -> str:
+    """An image to run or inspect, checked before the engine is asked, whose refusals name neither the reference
+    nor the rule ("repository name must be lowercase", "at least one component")."""
+    if _IMAGE_ID.match(reference):
+        return reference
+    if not reference.strip():
+        raise PackagingError(f"the image reference is empty; {_RUNNABLE}")
+    name, at, digest = reference.removeprefix("docker://").partition("@")
+    if at and not _DIGEST.match(digest):
+        raise PackagingError(f"image {reference!r}: digest {digest!r} is not ALGORITHM:HEX (sha256:...); {_RUNNABLE}")
+    _check_name(name, engine.registry_host(name), "image", _RUNNABLE)
+    return reference
+
+
 def _check_name(reference: str, host: str | None, what: str, expected: str) -> None:
     scheme = re.match(r"^[a-z][a-z0-9+.-]*://", reference, re.IGNORECASE)
     if scheme:  # docker:// was dropped already; an image reference has no URL scheme

@@ -140,6 +140,7 @@ def image_config(image: str, tool: str) -> dict[str, Any]:
 
 
 def inspect(image: str, engine_choice: str = "auto") -> dict[str, Any]:
+    registry.image_reference(image)
     tool = engine.pick(engine_choice, "podman")
     app, pkg = read_manifests(image, tool)
     config = image_config(image, tool)
@@ -293,6 +294,7 @@ def prepare(request: RunRequest) -> list[str]:
     """Check the request, read the image's manifests and return the engine command line that runs it; the
     model server runs that itself to capture the container's log. The output folder is created only once the
     image is known to be a MAP."""
+    registry.image_reference(request.image)
     tool = engine.pick(request.engine, "podman")
     if request.input is not None and not request.input.is_dir():
         raise PackagingError(f"input folder {request.input} "

@@ -78,6 +78,28 @@ def test_ulimits_without_cap_sys_resource_never_exceed_ours(monkeypatch: pytest.
                                  "nproc=32768:32768"]
 
 
+@pytest.mark.parametrize(("command", "image", "expected"), [
+    ("run", "127.0.0.1:5917/Probe/Bundle-Seg:0.1.0", "image '127.0.0.1:5917/Probe/Bundle-Seg:0.1.0': repository "
+                                                     "'Probe/Bundle-Seg' is not a valid name"),
+    ("inspect", "", "the image reference is empty; expected an image ID or [HOST[:PORT]/]REPO[:TAG][@DIGEST]"),
+    ("run", "x@sha256:zz", "image 'x@sha256:zz': digest 'sha256:zz' is not ALGORITHM:HEX"),
+])
+def test_a_malformed_image_is_refused_before_the_engine_is_asked(no_engine_calls: list, capsys: pytest.CaptureFixture,
+                                                                 command: str, image: str, expected: str) -> None:
+    """podman's own refusals named neither the reference nor the rule ("repository name must be lowercase",
+    "at least one component"); push checked references itself, run and inspect did not."""
+    assert cli_main([command, image]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1, err
+    assert no_engine_calls == []
+
+
+def test_image_ids_digests_and_tags_pass_the_reference_check() -> None:
+    for image in ("localhost/bundle-seg:0.1.0", "ghcr.io/org/app", "def9e0abd11c", "sha256:" + "b" * 64,
+                  "docker://ghcr.io/org/app:1", "ghcr.io/org/app:1@sha256:" + "a" * 64):
+        assert registry.image_reference(image) == image
+
+
 @pytest.mark.parametrize(("value", "expected"), [("-1", "--gpus -1: expected 'all', a number of GPUs"),
                                                   ("two", "--gpus two: expected"), ("0,x", "--gpus 0,x: expected"),
                                                   ("device=", "--gpus device=: expected"),
