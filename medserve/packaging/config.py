@@ -193,6 +193,23 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
 def read_app_config(path: Path, version_override: str | None = None) -> AppConfig:
     """Parse and validate app.yaml; every error names the file and the field."""
     path = Path(path)
+    text, data = _read_yaml(path)
+    application = data["application"]
+    _check_application_keys(application, path)
+    return AppConfig(
+        path=path,
+        title=_title(application, path),
+        version=_version(application, text, path, version_override),
+        input_formats=_string_list(application.get("input-formats"), f"{path}: application.input-formats"),
+        output_formats=_string_list(application.get("output-formats"), f"{path}: application.output-formats"),
+        pip_packages=_requirements(application.get("pip-packages"), path),
+        resources=_check_resources(data["resources"], path),
+        raw=data,
+    )
+
+
+def _read_yaml(path: Path) -> tuple[str, dict[str, Any]]:
+    """The file's text and its mapping, which has an `application` mapping and a `resources` section."""
     if path.is_dir():
         raise PackagingError(f"application config {path} is a folder; expected the app.yaml file")
     if not path.is_file():
@@ -216,7 +233,11 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
         raise PackagingError(f"{path}: required section 'resources' is missing")
     for key in APPLICATION_KEYS.intersection(data):  # other top-level sections may configure the app's operators
         logger.warning("%s: %s at the top level is ignored by the packager; it belongs under application", path, key)
+    return text, data
 
+
+def _check_application_keys(application: dict[str, Any], path: Path) -> None:
+    """Keys holoscan-cli 4.2 reads (kebab-case); the same keys spelt otherwise would be ignored without a word."""
     _check_names(application, path, "application", "title, version or input-formats")
     for key in application:
         if key in APPLICATION_KEYS:
@@ -230,11 +251,18 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
             )
         logger.warning("%s: unknown key application.%s is ignored by the packager", path, key)
 
+
+def _title(application: dict[str, Any], path: Path) -> str:
     title = application.get("title")
     if not isinstance(title, str) or not title.strip():
         raise PackagingError(f"{path}: required field application.title is missing or empty")
     if not title.isprintable():  # it becomes an image label and a line of `medserve inspect`
         raise PackagingError(f"{path}: application.title {title!r} must be one line of printable text")
+    return title
+
+
+def _version(application: dict[str, Any], text: str, path: Path, version_override: str | None) -> str:
+    """application.version as written (YAML reads 1.10 as 1.1), or --version."""
     version = application.get("version")
     if isinstance(version, (list, dict)) and not version_override:
         raise PackagingError(f"{path}: application.version must be a string, got {version!r}")
@@ -249,14 +277,4 @@ def read_app_config(path: Path, version_override: str | None = None) -> AppConfi
         # It becomes app.json's version and an image label (JSON-escaped there), read by tools as one word.
         where = "--version" if version_override else f"{path}: application.version"
         raise PackagingError(f"{where} {version!r} must be one word of printable text, like 1.0.2")
-
-    return AppConfig(
-        path=path,
-        title=title,
-        version=version,
-        input_formats=_string_list(application.get("input-formats"), f"{path}: application.input-formats"),
-        output_formats=_string_list(application.get("output-formats"), f"{path}: application.output-formats"),
-        pip_packages=_requirements(application.get("pip-packages"), path),
-        resources=_check_resources(data["resources"], path),
-        raw=data,
-    )
+    return version
