@@ -36,7 +36,7 @@ CA_BUNDLE_VARIABLES = ("PIP_CERT", "REQUESTS_CA_BUNDLE", "SSL_CERT_FILE")
 # Holoscan (holoscan-cu13) loads libcudart.so.13 even on CPU; a clean image has no CUDA runtime.
 CUDA_RUNTIME_PIN = "nvidia-cuda-runtime==13.0.*"
 # copytree gathers its failures as text: ENOSPC and EDQUOT there are the context's disk, not the file copied.
-_FULL_DISK = re.compile(r"\[Errno (28|122)\]")
+_FULL_DISK = re.compile(rf"\[Errno ({errno.ENOSPC}|{errno.EDQUOT})\]")
 
 
 @dataclass(frozen=True)

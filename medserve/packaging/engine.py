@@ -61,12 +61,18 @@ _CHATTER = re.compile(r"^(Copying (blob|config)|Writing manifest|Storing signatu
                       r"Trying to pull|Writing blob)|level=(warning|info|debug)")
 
 
+# A line that states the failure: podman's and buildah's `Error: ...`, skopeo's `level=fatal`, apt's `E: `.
+_ERROR_LINE = re.compile(r"^(error\b|E: )|level=(error|fatal)\b", re.IGNORECASE)
+
+
 def last_words(output: str, lines: int = 3) -> str:
-    """What a failed tool said of its failure, on one line: its last error line (podman, buildah and skopeo end
-    with `Error: ...`), else its last `lines` lines, without progress and retry chatter."""
-    said = [line.strip() for line in output.strip().splitlines() if line.strip() and not _CHATTER.search(line)]
-    errors = [line for line in said if line.lower().startswith("error")]
-    return " | ".join(errors[-1:] or said[-lines:])
+    """What a failed tool said of its failure, on one line: its last `lines` lines without progress and retry
+    chatter, or only the last of them that states the error when one does (the others repeat it or lead up to it).
+    Its plain last lines when all of them are chatter."""
+    every = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    tail = [line for line in every if not _CHATTER.search(line)][-lines:] or every[-lines:]
+    errors = [line for line in tail if _ERROR_LINE.search(line)]
+    return " | ".join(errors[-1:] or tail)
 
 
 def run(argv: Sequence[str], what: str, timeout: float | None = None, **kwargs) -> subprocess.CompletedProcess:
@@ -128,7 +134,8 @@ def registry_host(reference: str) -> str | None:
     """The registry part of an image reference (`host[:port]/repo:tag`), None for a bare name."""
     reference = reference.removeprefix("docker://")
     first = reference.split("/", 1)[0]
-    if "/" in reference and ("." in first or ":" in first or first == "localhost"):
+    # As Docker's reference grammar: a first part with a dot, a port or a capital letter, or localhost, is a host.
+    if "/" in reference and ("." in first or ":" in first or first == "localhost" or first != first.lower()):
         return first
     return None
 

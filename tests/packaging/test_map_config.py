@@ -527,12 +527,12 @@ def test_a_map_without_models_is_built_with_a_warning(tmp_path: Path, caplog: py
         app = make_app(tmp_path)
         inputs = prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1"))
     assert inputs.models == {} and inputs.pkg_json.get("models", {}) == {}
-    assert [r.getMessage() for r in caplog.records] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "medserve.packaging.build"] == [
         "no -m: the MAP holds no model (/opt/holoscan/models is empty); give -m BUNDLE_DIR unless the app needs none"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="medserve.packaging.build"):
         prepare(PackageRequest(app, write(tmp_path, GOOD), "x:1", models=make_bundle(tmp_path / "models")))
-    assert not caplog.records
+    assert not [r for r in caplog.records if r.name == "medserve.packaging.build"]
 
 
 def test_a_tools_last_words_leave_out_its_progress_and_retries() -> None:
@@ -546,6 +546,16 @@ def test_a_tools_last_words_leave_out_its_progress_and_retries() -> None:
     push = f"Getting image source signatures\nCopying blob sha256:881d\nCopying config sha256:27a0\n{error}\n"
     assert last_words(pull) == last_words(push) == error
     assert last_words("one\ntwo\nthree\nfour\n") == "two | three | four"  # no error line: the last lines
+    skopeo = 'Getting image source signatures\ntime="x" level=fatal msg="initializing source: connection refused"\n'
+    assert last_words(skopeo) == 'time="x" level=fatal msg="initializing source: connection refused"'
+    only_chatter = 'Trying to pull quay.io/x:1...\ntime="x" level=warning msg="cgroupv2 manager"\n'
+    assert last_words(only_chatter) == 'Trying to pull quay.io/x:1... | time="x" level=warning msg="cgroupv2 manager"'
+    apt = ("dpkg: error processing package libc-bin (--configure):\n installed post-installation script failed\n"
+           "Errors were encountered while processing:\n libc-bin\n"
+           "E: Sub-process /usr/bin/dpkg returned an error code (1)\n")
+    assert last_words(apt, 5) == "E: Sub-process /usr/bin/dpkg returned an error code (1)"
+    early = "Error: a first attempt failed\nretrying\nstep 2\nstep 3\nstep 4 failed for good\n"
+    assert last_words(early) == "step 2 | step 3 | step 4 failed for good"  # an error line long past says less
 
 
 def _onto_full_disk(source: object, target: object) -> None:

@@ -96,7 +96,8 @@ def test_a_malformed_image_is_refused_before_the_engine_is_asked(no_engine_calls
 
 def test_image_ids_digests_and_tags_pass_the_reference_check() -> None:
     for image in ("localhost/bundle-seg:0.1.0", "ghcr.io/org/app", "def9e0abd11c", "sha256:" + "b" * 64,
-                  "docker://ghcr.io/org/app:1", "ghcr.io/org/app:1@sha256:" + "a" * 64):
+                  "docker://ghcr.io/org/app:1", "ghcr.io/org/app:1@sha256:" + "a" * 64,
+                  "MYREG/app:1"):  # a capital letter makes the first part a registry host, as in Docker's grammar
         assert registry.image_reference(image) == image
 
 

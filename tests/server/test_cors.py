@@ -30,6 +30,11 @@ def test_a_browser_app_on_an_allowed_origin_can_upload_and_read_what_tus_needs(m
     allowed = {h.strip().lower() for h in preflight.headers["access-control-allow-headers"].split(",")}
     assert {"authorization", "tus-resumable", "upload-length", "upload-metadata", "upload-offset"} <= allowed
     assert "PATCH" in preflight.headers["access-control-allow-methods"]
+    from_public_page = httpx.options(server.url + "/v1/uploads", headers={  # tus-js-client with addRequestId
+        "Origin": VIEWER, "Access-Control-Request-Method": "PATCH", "Access-Control-Request-Private-Network": "true",
+        "Access-Control-Request-Headers": "x-request-id, upload-offset, content-type"})
+    assert from_public_page.status_code == 200, from_public_page.text
+    assert from_public_page.headers["access-control-allow-private-network"] == "true"
     created = httpx.post(server.url + "/v1/uploads", headers={**TUS, "Origin": VIEWER, "Upload-Length": "3"})
     assert created.status_code == 201 and created.headers["access-control-allow-origin"] == VIEWER
     assert {"location", "upload-offset", "upload-expires", "tus-resumable"} <= _exposed(created)
@@ -58,6 +63,9 @@ def test_other_origins_and_servers_without_origins_allow_no_one(make_server, tmp
     ("https://user:pw@viewer.example.org", "give https://viewer.example.org"),
     ("viewer.example.org", "expected http(s)://host[:port]"),
     ("http://viewer:port", "is not a URL"),
+    ("https://Viewer.Example.org", "give https://viewer.example.org"),  # browsers send it lower-cased
+    ("https://viewer.example.org:443", "give https://viewer.example.org"),  # and without the default port
+    ("http://*.example.org", "expected http(s)://host[:port]"),  # origins are compared as text: no wildcards
 ])
 def test_an_origin_no_browser_sends_is_refused_at_start(origin: str, problem: str) -> None:
     assert problem in (origin_problem(origin) or "")
@@ -65,4 +73,8 @@ def test_an_origin_no_browser_sends_is_refused_at_start(origin: str, problem: st
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1].startswith(
         "medserve serve: error: argument --cors-origin: "), run.stderr
-    assert origin_problem("*") is None and origin_problem("http://127.0.0.1:3000") is None
+
+
+def test_origins_as_browsers_send_them_are_taken() -> None:
+    for origin in ("*", "http://127.0.0.1:3000", "https://viewer.example.org", "http://[::1]:8080"):
+        assert origin_problem(origin) is None, origin
