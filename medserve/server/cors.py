@@ -15,14 +15,14 @@ METHODS = ("GET", "HEAD", "POST", "PATCH", "DELETE", "OPTIONS")
 REQUEST_HEADERS = ("Authorization", "Content-Type", "Accept", "Idempotency-Key", "Tus-Resumable", "Upload-Length",
                    "Upload-Offset", "Upload-Metadata", "Upload-Checksum", "Upload-Defer-Length", "Upload-Concat",
                    "X-HTTP-Method-Override", "X-Requested-With", "X-Request-ID", "Inference-Header-Content-Length")
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-_HOST = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*|\[[0-9a-f:.]+\]")
 EXPOSED_HEADERS = ("Location", "Retry-After", "WWW-Authenticate", "Content-Disposition", "Idempotent-Replayed",
                    "Tus-Resumable", "Tus-Version", "Tus-Extension", "Tus-Max-Size", "Tus-Checksum-Algorithm",
                    "Upload-Offset", "Upload-Length", "Upload-Expires", "Upload-Metadata",
                    "X-Medserve-Timings", "X-Medserve-Segments", "X-Medserve-Study-UID", "X-Medserve-Series-UID",
                    "Inference-Header-Content-Length")
 PREFLIGHT_MAX_AGE_S = 600
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_HOST = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*|\[[0-9a-f:.]+\]")
 
 
 def origin_problem(origin: str) -> str | None:

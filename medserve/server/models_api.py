@@ -31,7 +31,6 @@ from medserve.server.services import services
 T = TypeVar("T")
 
 
-
 class ModelPathConvertor(PathConvertor):
     """A model's path, which may hold what no model name holds (check_model_name refuses it with a 400 naming
     the rule, not a 404), but does not end in an action: `GET NAME/infer` is not a model called `NAME/infer`, but

@@ -18,13 +18,15 @@ class Interrupt:
     or the server stopping. `reason` says which asked."""
 
     def __init__(self) -> None:
-        self.requested = False
-        self.reason = ""
+        self.reason = ""  # set by the first ask, the one the body ends for
         self._deadline: asyncio.Timeout | None = None
 
+    @property
+    def requested(self) -> bool:
+        return bool(self.reason)
+
     def request(self, reason: str) -> None:
-        self.requested = True
-        self.reason = self.reason or reason  # the first ask is the one the body ends for
+        self.reason = self.reason or reason
         if self._deadline is not None and not self._deadline.expired():  # one expiring now may not be changed
             self._deadline.reschedule(asyncio.get_running_loop().time())
 

@@ -436,8 +436,7 @@ class Body:
         except ClientDisconnect:
             self.ended = "disconnected"
         except TimeoutError:
-            self.ended = self.interrupt.reason if self.interrupt is not None and self.interrupt.requested else \
-                "stalled"
+            self.ended = (self.interrupt.reason if self.interrupt is not None else "") or "stalled"
 
 
 async def _receive(body: Body, path: Path) -> int:
